@@ -1,0 +1,51 @@
+"""The split dataset protocol: ``read`` (I/O, on the event loop) and ``decode`` (CPU, in a worker)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+
+class Dataset(torch.utils.data.Dataset):
+    """A map-style dataset whose loading is split in two.
+
+    * ``async def read(self, index)`` does the I/O. It runs on the loader's event loop, up to
+      ``io_concurrency`` at once, in the main process; return raw bytes and whatever small
+      metadata ``decode`` needs (a label, a path).
+    * ``def decode(self, raw)`` does the CPU work (decode, augment). It runs in a worker
+      process and returns the sample: tensors, numbers, strings, and dicts/tuples of them.
+
+    ``__getitem__`` runs both in the calling thread, so the same object also works with
+    ``torch.utils.data.DataLoader``. Override :meth:`read_blocking` when a blocking read is
+    cheaper than running ``read`` on a fresh event loop (the built-in datasets do).
+    """
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    async def read(self, index: int) -> Any:
+        raise NotImplementedError
+
+    def decode(self, raw: Any) -> Any:
+        raise NotImplementedError
+
+    def describe(self, index: int) -> str | None:
+        """Where sample ``index`` lives (a path or URL), for error messages."""
+        return None
+
+    def read_blocking(self, index: int) -> Any:
+        return asyncio.run(self.read(index))
+
+    def __getitem__(self, index: int) -> Any:
+        return self.decode(self.read_blocking(index))
+
+
+def is_split(dataset) -> bool:
+    """Whether ``dataset`` implements the split protocol (its own ``read`` and ``decode``)."""
+    read = getattr(type(dataset), "read", None)
+    decode = getattr(type(dataset), "decode", None)
+    if read is None or decode is None:
+        return False
+    return read is not Dataset.read and decode is not Dataset.decode and asyncio.iscoroutinefunction(read)
