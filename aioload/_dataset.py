@@ -8,6 +8,15 @@ from typing import Any
 import torch
 
 
+class _NotReady:
+    def __repr__(self) -> str:
+        return "aioload.NOT_READY"
+
+
+NOT_READY = _NotReady()
+"""Returned by :meth:`Dataset.read_nowait` when the item needs a real read."""
+
+
 class Dataset(torch.utils.data.Dataset):
     """A map-style dataset whose loading is split in two.
 
@@ -30,6 +39,12 @@ class Dataset(torch.utils.data.Dataset):
 
     def decode(self, raw: Any) -> Any:
         raise NotImplementedError
+
+    def read_nowait(self, index: int) -> Any:
+        """The raw item, when it is at hand without waiting for any I/O (a local path the
+        worker will open, a value already in memory); else :data:`NOT_READY`, and the loader
+        awaits :meth:`read`. Items ready this way skip the event loop's per-read cost."""
+        return NOT_READY
 
     def describe(self, index: int) -> str | None:
         """Where sample ``index`` lives (a path or URL), for error messages."""

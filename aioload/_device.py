@@ -65,10 +65,12 @@ def pin_available() -> bool:
 
 
 def pin_batch(batch):
-    """Pin a batch whose memory aioload does not own (custom types with ``pin_memory()``)."""
-    if hasattr(batch, "pin_memory") and not isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
-    return apply(batch, lambda t: t if t.is_pinned() else t.pin_memory())
+    """Pin a batch as torch's DataLoader does: torch's own ``pin_memory`` walk, so containers
+    come out as torch makes them (a plain tuple becomes a list) and a custom batch type's
+    ``pin_memory()`` is called. Tensors already page-locked (slot views) are kept as they are."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    return pin_memory(batch)
 
 
 class Transfer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import traceback
 
@@ -35,10 +36,23 @@ def _rebuild_crash(message, worker_id, exitcode, indices):
 
 
 class DataLoaderTimeoutError(RuntimeError, TimeoutError):
-    """No batch arrived within ``timeout`` seconds.
+    """No batch arrived within ``timeout`` seconds, or a read took longer than ``read_timeout``.
 
-    A ``RuntimeError`` (what torch's DataLoader raises) and a ``TimeoutError``.
+    A ``RuntimeError`` (what torch's DataLoader raises) and a ``TimeoutError``. ``stuck`` lists
+    ``(index, stage)`` pairs: the dataset indices that had not come through, and where they were
+    (``"read"``, ``"decode in worker 1 (pid 123)"``, ...).
     """
+
+    def __init__(self, message: str, *, stuck: list | tuple = ()):
+        super().__init__(message)
+        self.stuck = list(stuck)
+
+    def __reduce__(self):
+        return (_rebuild_timeout, (str(self), self.stuck))
+
+
+def _rebuild_timeout(message, stuck):
+    return DataLoaderTimeoutError(message, stuck=stuck)
 
 
 class LoaderClosedError(RuntimeError):
@@ -46,7 +60,8 @@ class LoaderClosedError(RuntimeError):
 
 
 class TooManyErrorsError(RuntimeError):
-    """``on_error="skip"`` skipped more samples than ``max_errors`` allows."""
+    """``on_error="skip"`` skipped more samples than ``max_errors`` allows in one epoch; the
+    last failure is its ``__cause__``."""
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -81,4 +96,35 @@ def unpack_exception(packed: bytes, where: str) -> BaseException:
     exc = pickle.loads(blob) if blob is not None else RuntimeError(f"{type_name}: {message}")
     exc.add_note(where)
     exc.add_note("Original traceback:\n" + text.rstrip())
+    return exc
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def forget_locals(exc: BaseException) -> BaseException:
+    """Clear the local variables of aioload's own finished frames in ``exc``'s tracebacks (its
+    cause, context and group members included) before it is handed to the consumer.
+
+    Those frames hold slots, views and batches; a user who keeps the exception (a log, a
+    notebook's last traceback) must not keep that shared memory. File names and line numbers
+    stay, so the traceback prints as before; the frames of the user's own code are untouched.
+    """
+    pending, seen = [exc], set()
+    while pending:
+        err = pending.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        tb = err.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+                try:
+                    tb.tb_frame.clear()
+                except RuntimeError:
+                    pass  # a frame still running (the one handing the error over)
+            tb = tb.tb_next
+        pending += [err.__cause__, err.__context__]
+        if isinstance(err, BaseExceptionGroup):
+            pending += err.exceptions
     return exc

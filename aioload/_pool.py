@@ -11,24 +11,27 @@ import asyncio
 import heapq
 import itertools
 import multiprocessing as mp
+import os
 import socket
-import threading
+import time
+
 from aioload import _wire
 from aioload._errors import WorkerCrashedError, describe_exit, unpack_exception
 from aioload._shm import Segment, send_fd
-from aioload._worker import SLOT_HEADER, WorkerConfig, worker_main
+from aioload._worker import PROGRESS_ID, SLOT_HEADER, WorkerConfig, worker_main
 
 PER_WORKER_TASKS = 2
 """Tasks queued on one worker: one being decoded, one waiting, so a worker never idles."""
 
 
 def choose_context(multiprocessing_context) -> mp.context.BaseContext:
-    """The start method: the user's, else fork while no other thread runs, else forkserver."""
+    """The start method: the user's, else the platform's default, as torch's DataLoader does.
+
+    A start method of aioload's own choosing would break programs that run with torch: spawn
+    and forkserver workers import the main module again and need a picklable dataset,
+    ``collate_fn`` and ``worker_init_fn`` (no lambdas, no classes defined in a function)."""
     if multiprocessing_context is None:
-        methods = mp.get_all_start_methods()
-        if "fork" in methods and threading.active_count() == 1:
-            return mp.get_context("fork")
-        return mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+        return mp.get_context()
     if isinstance(multiprocessing_context, str):
         return mp.get_context(multiprocessing_context)
     return multiprocessing_context
@@ -46,12 +49,21 @@ class WorkerPool:
         self.ready = [False] * num_workers
         self.broken: BaseException | None = None
         self.closed = False
+        self.owner = os.getpid()  # a forked child holds a copy of this object: it must not stop our workers
+        # Per worker: the task id and dataset index it is on (see _Worker.mark), in a memfd
+        # that each worker receives first on its control socket (nothing in /dev/shm).
+        self.progress_memory = Segment.create(16 * num_workers, "aioload-progress")
+        self.progress = memoryview(self.progress_memory.map).cast("q")
+        for cell in range(2 * num_workers):
+            self.progress[cell] = -1
         forking = context.get_start_method() == "fork"
         try:
             for wid in range(num_workers):
                 parent, child = socket.socketpair()
                 cparent, cchild = socket.socketpair()
-                inherited = tuple(self.socks + self.ctrls) if forking else ()
+                # A forked worker closes every parent end it inherits, its own included, so
+                # that its socket reports end-of-stream as soon as the loader's process is gone.
+                inherited = tuple(self.socks + self.ctrls + [parent, cparent]) if forking else ()
                 proc = context.Process(
                     target=worker_main,
                     args=(wid, cfg, child, cchild, inherited),
@@ -60,6 +72,7 @@ class WorkerPool:
                 proc.start()
                 child.close()
                 cchild.close()
+                send_fd(cparent, self.progress_memory.fd, SLOT_HEADER.pack(PROGRESS_ID, self.progress_memory.size))
                 parent.setblocking(False)
                 self.procs.append(proc)
                 self.socks.append(parent)
@@ -69,7 +82,16 @@ class WorkerPool:
             raise
 
     def alive(self) -> bool:
-        return not self.closed and self.broken is None
+        """Usable for another epoch: not closed, not broken, and no worker has died (a worker
+        killed between epochs, by the out-of-memory killer say, is found here)."""
+        return not self.closed and self.broken is None and all(p.exitcode is None for p in self.procs)
+
+    def current(self, wid: int) -> tuple[int, int]:
+        """``(task id, dataset index)`` worker ``wid`` last started; index ``-1`` when unknown,
+        ``COLLATING`` while its ``collate_fn`` runs."""
+        if self.closed:
+            return -1, -1
+        return self.progress[2 * wid], self.progress[2 * wid + 1]
 
     def register(self, slot_id: int, segment: Segment) -> None:
         """Hand a new slot's memory to every worker (they map it when first used)."""
@@ -85,6 +107,8 @@ class WorkerPool:
         if self.closed:
             return
         self.closed = True
+        if os.getpid() != self.owner:
+            return  # a copy inherited by a forked process (another loader's worker): not ours to stop
         stop = _wire.encode(("stop",))
         for sock in self.socks:
             try:
@@ -93,18 +117,33 @@ class WorkerPool:
                 sock.sendall(stop)
             except OSError:
                 pass
-        for proc in self.procs:
-            proc.join(timeout)
+        _join_all(self.procs, timeout)
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()
-                proc.join(1.0)
+        _join_all(self.procs, 1.0)
+        for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
-                proc.join(1.0)
+        _join_all(self.procs, 1.0)
+        for proc in self.procs:
             proc.close() if proc.exitcode is not None else None
         for sock in self.socks + self.ctrls:
             sock.close()
+        # A closed pool keeps nothing alive. The error that broke it is also the consumer's
+        # exception, whose traceback holds the training loop's frames and the batches in them;
+        # slots still out reach this pool (slot pool -> register), so keeping the error here
+        # would keep those batches' shared memory for good.
+        self.broken = None
+        self.progress.release()
+        self.progress_memory.close()
+
+
+def _join_all(procs, timeout: float) -> None:
+    """Join every process, ``timeout`` seconds for all of them together."""
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
 
 
 class _Request:
@@ -125,12 +164,14 @@ class PoolSession:
         self.pool = pool
         self._ids = itertools.count()
         self._pending: list[_Request] = []
+        self._has_pinned = False  # an IterableDataset pins tasks to workers
         self._inflight: list[dict[int, _Request]] = [dict() for _ in range(pool.num_workers)]
         self._locks = [asyncio.Lock() for _ in range(pool.num_workers)]
         self._drops: list[list[int]] = [[] for _ in range(pool.num_workers)]
         self._sends: set[asyncio.Task] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._reported = asyncio.Event()  # a worker said it is ready, or the pool broke
 
     def drop_slot(self, slot_id: int) -> None:
         for drops in self._drops:
@@ -138,8 +179,11 @@ class PoolSession:
 
     async def broadcast(self, message) -> None:
         for wid, sock in enumerate(self.pool.socks):
-            async with self._locks[wid]:
-                await _wire.send(sock, message)
+            try:
+                async with self._locks[wid]:
+                    await _wire.send(sock, message)
+            except OSError:
+                pass  # a dead worker: its reader reports the crash
 
     async def submit(self, kind: str, slot, payload, indices, priority, worker=None) -> tuple:
         """Queue one task; returns the worker's reply. Lower ``priority`` is served first;
@@ -151,43 +195,61 @@ class PoolSession:
         task_id = next(self._ids)
         request = _Request(priority, task_id, (kind, task_id, slot, payload), indices, future)
         request.worker = worker
+        if worker is not None:
+            self._has_pinned = True
         heapq.heappush(self._pending, request)
         self._dispatch()
         return await future
 
-    def _free_worker(self, request: _Request) -> int | None:
-        candidates = range(self.pool.num_workers) if request.worker is None else (request.worker,)
+    def _room(self, wid: int) -> bool:
+        # While some workers are still starting, one task each: the first batch is then split
+        # across every worker instead of queueing on whichever answered first.
+        ready = self.pool.ready
+        depth = PER_WORKER_TASKS if all(ready) else 1
+        return ready[wid] and len(self._inflight[wid]) < depth
+
+    def _least_loaded(self) -> int | None:
         best = None
-        for wid in candidates:
-            load = len(self._inflight[wid])
-            if self.pool.ready[wid] and load < PER_WORKER_TASKS and (best is None or load < best[0]):
-                best = (load, wid)
-        return None if best is None else best[1]
+        for wid, inflight in enumerate(self._inflight):
+            if self._room(wid) and (best is None or len(inflight) < len(self._inflight[best])):
+                best = wid
+        return best
 
     def _dispatch(self) -> None:
-        self._pending = [r for r in self._pending if not r.future.done()]
-        heapq.heapify(self._pending)
+        """Send waiting tasks to workers with room, lowest priority (batch number) first.
+        Requests pinned to a worker wait in that worker's own heap."""
+        heap = self._pending
+        if not self._has_pinned:
+            while heap:
+                wid = self._least_loaded()
+                if wid is None:
+                    return
+                request = heapq.heappop(heap)
+                if not request.future.done():
+                    self._start(wid, request)
+            return
         waiting = []
-        while self._pending:
-            request = heapq.heappop(self._pending)
-            wid = self._free_worker(request)
-            if wid is None:
-                waiting.append(request)
-                if request.worker is None:
-                    break
+        while heap:
+            request = heapq.heappop(heap)
+            if request.future.done():
                 continue
-            request.worker = wid
-            self._idle.clear()
-            kind, task_id, slot, payload = request.message
-            drops, self._drops[wid] = self._drops[wid], []
-            self._inflight[wid][task_id] = request
-            send = asyncio.get_running_loop().create_task(
-                self._send(wid, (kind, task_id, slot, payload, drops))
-            )
-            self._sends.add(send)
-            send.add_done_callback(self._sends.discard)
+            wid = request.worker if request.worker is not None else self._least_loaded()
+            if wid is None or not self._room(wid):
+                waiting.append(request)
+                continue
+            self._start(wid, request)
         for request in waiting:
-            heapq.heappush(self._pending, request)
+            heapq.heappush(heap, request)
+
+    def _start(self, wid: int, request: _Request) -> None:
+        request.worker = wid
+        self._idle.clear()
+        kind, task_id, slot, payload = request.message
+        drops, self._drops[wid] = self._drops[wid], []
+        self._inflight[wid][task_id] = request
+        send = asyncio.get_running_loop().create_task(self._send(wid, (kind, task_id, slot, payload, drops)))
+        self._sends.add(send)
+        send.add_done_callback(self._sends.discard)
 
     async def _send(self, wid: int, message) -> None:
         try:
@@ -212,6 +274,7 @@ class PoolSession:
             tag = msg[0]
             if tag == "ready":
                 self.pool.ready[wid] = True
+                self._reported.set()
                 self._dispatch()
             elif tag == "init_error":
                 exc = unpack_exception(msg[1], f"raised by worker_init_fn in worker {wid}")
@@ -239,8 +302,20 @@ class PoolSession:
         )
         self._fail_all(exc)
 
+    async def started(self) -> BaseException | None:
+        """Wait until every worker has started; the error that kept one from starting (its
+        ``worker_init_fn`` failed, it died), else ``None``. As in torch, such a worker fails
+        the epoch even when its siblings did all of the epoch's work."""
+        while not all(self.pool.ready):
+            if self.pool.broken is not None:
+                return self.pool.broken
+            self._reported.clear()
+            await self._reported.wait()
+        return None
+
     def _fail_all(self, exc: BaseException) -> None:
         self.pool.broken = exc
+        self._reported.set()
         self._idle.set()
         requests = [r for inflight in self._inflight for r in inflight.values()] + self._pending
         for inflight in self._inflight:
@@ -252,6 +327,17 @@ class PoolSession:
 
     def outstanding(self) -> int:
         return sum(len(inflight) for inflight in self._inflight)
+
+    def tasks_of(self, wid: int) -> list[int]:
+        """The ids of the tasks sent to worker ``wid`` and not answered yet."""
+        return list(self._inflight[wid])
+
+    def requests_for(self, priority) -> list[tuple[list, int | None, int | None]]:
+        """The unanswered tasks of batch ``priority``: ``(indices, worker, task id)``, with
+        worker ``None`` while the task waits for a free worker."""
+        found = [(r.indices, wid, task_id) for wid, inflight in enumerate(self._inflight)
+                 for task_id, r in inflight.items() if r.priority == priority]
+        return found + [(r.indices, None, None) for r in self._pending if r.priority == priority]
 
     async def drain(self, timeout: float) -> bool:
         """Wait until the workers have answered every task sent to them (so no slot is still

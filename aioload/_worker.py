@@ -18,8 +18,9 @@ import torch.utils.data._utils.worker as torch_worker
 
 from aioload import _wire
 from aioload._errors import pack_exception
-from aioload._layout import Layout, SlotWriter
-from aioload._seeding import derive_seed, seed_everything
+from aioload._chunks import ChunkWriter, Unsupported
+from aioload._layout import Layout, RowWriter, SlotWriter, column_views
+from aioload._seeding import sample_seed, seed_everything, seed_worker
 from aioload._shm import Segment, recv_fd
 
 SLOT_HEADER = struct.Struct("<qq")
@@ -39,6 +40,8 @@ class WorkerConfig:
     drop_last: bool
     worker_init_fn: Callable | None
     base_seed: int
+    exact_seeds: bool = False  # seed= given: fetch and seed every sample alone (no __getitems__)
+    keep_rng: bool = False  # persistent_workers=True: RNG streams go on across epochs, as in torch
 
 
 def _batched_fetch(ds) -> bool:
@@ -56,25 +59,39 @@ def _set_worker_info(worker_id: int, cfg: WorkerConfig, seed: int) -> None:
     )
 
 
+PROGRESS_ID = -1
+"""The slot id under which the pool sends a worker its progress cells."""
+
+COLLATING = -2
+"""The progress cell's index while ``collate_fn`` runs (``-1``: no sample index known)."""
+
+
 class _Worker:
-    def __init__(self, worker_id: int, cfg: WorkerConfig, sock, ctrl):
+    def __init__(self, worker_id: int, cfg: WorkerConfig, sock, ctrl, progress=None):
         self.id = worker_id
+        self.progress = progress  # shared (task id, index) per worker: what a stuck worker is on
+        self.task = -1
         self.cfg = cfg
         self.sock = sock
         self.ctrl = ctrl
         self.segments: dict[int, Segment] = {}
+        self.layouts: dict[int, tuple] = {}  # slot id -> (description, Layout, column views)
         self.base_seed = cfg.base_seed
         self.per_sample_seeds = True
         self.iterator = None
+        self.seeded: int | None = None  # the base seed the worker's RNGs were last seeded from
 
     # -- set-up -------------------------------------------------------------------------
     def start_epoch(self, base_seed: int, per_sample_seeds: bool) -> None:
+        """Seed as torch seeds a worker started for this epoch. A worker that is already seeded
+        from this base seed (a fresh one, after worker_init_fn) or whose streams go on across
+        epochs (``keep_rng``, torch's persistent workers) keeps its RNG state."""
         self.base_seed = base_seed
         self.per_sample_seeds = per_sample_seeds
-        seed = base_seed + self.id
-        seed_everything(seed)
-        _set_worker_info(self.id, self.cfg, seed)
         self.iterator = None
+        if self.seeded is None or (base_seed != self.seeded and not self.cfg.keep_rng):
+            self.seeded = base_seed
+            _set_worker_info(self.id, self.cfg, seed_worker(base_seed, self.id))
 
     def segment(self, slot_id: int) -> Segment:
         seg = self.segments.get(slot_id)
@@ -87,22 +104,47 @@ class _Worker:
 
     def drop(self, slot_ids) -> None:
         for sid in slot_ids:
+            self.layouts.pop(sid, None)
             seg = self.segments.pop(sid, None)
             if seg is not None:
                 seg.close()
 
-    def writer(self, slot) -> SlotWriter:
+    def writer(self, slot, kind=SlotWriter):
+        """A :class:`SlotWriter` (whole batches) or :class:`RowWriter` (rows) for ``slot``."""
         if slot is None:
-            return SlotWriter(None, None, None)
+            return kind(None, None, None)
         slot_id, layout_desc, overflow = slot
-        leaves, rows, ovf = layout_desc
-        return SlotWriter(self.segment(slot_id), Layout(leaves, rows, ovf), overflow)
+        segment = self.segment(slot_id)
+        cached = self.layouts.get(slot_id)
+        if cached is None or cached[0] != layout_desc:
+            leaves, rows, ovf = layout_desc
+            layout = Layout(leaves, rows, ovf)
+            cached = self.layouts[slot_id] = (layout_desc, layout, column_views(segment, layout))
+        return kind(segment, cached[1], overflow, cached[2])
 
     # -- the work ------------------------------------------------------------------------
+    def mark(self, index) -> None:
+        """Note in shared memory which sample this worker is on (read by the parent only when
+        ``timeout=`` expires, to name the sample that is stuck)."""
+        if self.progress is not None:
+            known = index if isinstance(index, int) and (index >= 0 or index == COLLATING) else -1
+            self.progress[2 * self.id + 1] = known
+            self.progress[2 * self.id] = self.task
+
+    def batched(self) -> bool:
+        """Whether batches are fetched with one ``__getitems__`` call, as torch does."""
+        return not self.cfg.split and not self.cfg.exact_seeds and _batched_fetch(self.cfg.dataset)
+
+    def fetch_batch(self, items) -> Any:
+        if self.per_sample_seeds:
+            seed_everything(sample_seed(self.base_seed, items[0][0]))
+        return self.cfg.dataset.__getitems__([i for i, _ in items])
+
     def load(self, index, raw):
+        self.mark(index)
         ds = self.cfg.dataset
         if self.per_sample_seeds and index is not None:
-            seed_everything(derive_seed(self.base_seed, index if isinstance(index, int) else hash(index)))
+            seed_everything(sample_seed(self.base_seed, index))
         if self.cfg.split:
             return ds.decode(raw)
         return ds[index]
@@ -111,45 +153,99 @@ class _Worker:
         return "decode" if self.cfg.split else "__getitem__"
 
     def run_rows(self, task_id, slot, items, row0):
-        writer = self.writer(slot)
+        writer = self.writer(slot, RowWriter)
         payloads, errors = [], []
-        ds = self.cfg.dataset
         started = time.perf_counter()
         samples = None
-        if not self.cfg.split and _batched_fetch(ds):
+        if self.batched():
             try:
-                if self.per_sample_seeds:
-                    seed_everything(derive_seed(self.base_seed, items[0][0]))
-                samples = ds.__getitems__([i for i, _ in items])
+                samples = self.fetch_batch(items)
             except Exception as exc:  # noqa: BLE001 - reported to the consumer with its index
-                errors.append((0, items[0][0], "__getitems__", pack_exception(exc)))
+                errors.append((0, [i for i, _ in items], "__getitems__", pack_exception(exc)))
                 return ("done", task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
+        previous = None
         for pos, (index, raw) in enumerate(items):
             try:
                 sample = samples[pos] if samples is not None else self.load(index, raw)
-                payloads.append(writer.dump(sample, row0 + pos))
+                data = writer.dump(sample, row0 + pos)
             except Exception as exc:  # noqa: BLE001
                 payloads.append(None)
                 errors.append((pos, index, self.stage(), pack_exception(exc)))
+                continue
+            # b"" stands for "the same skeleton as the previous row": uniform batches then
+            # cost the parent one unpickle instead of one per row.
+            payloads.append(b"" if data == previous else data)
+            previous = data
         specs = writer.first_specs if slot is None else None
         seconds = time.perf_counter() - started
         return ("done", task_id, payloads, errors, specs, writer.overflow_wanted, seconds)
+
+    def run_chunk(self, task_id, slot, items, row0, must: bool):
+        """Chunk mode (see :mod:`aioload._chunks`): collate the chunk straight into the slot.
+        ``None`` when its samples hold a type chunk mode cannot join (rows mode then)."""
+        started = time.perf_counter()
+        payloads, errors, samples = [], [], []
+        if self.batched():
+            try:
+                samples = list(self.fetch_batch(items))
+                payloads = [b""] * len(samples)
+            except Exception as exc:  # noqa: BLE001 - reported to the consumer with its index
+                errors.append((0, [i for i, _ in items], "__getitems__", pack_exception(exc)))
+                return ("done", task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
+        else:
+            for pos, (index, raw) in enumerate(items):
+                try:
+                    samples.append(self.load(index, raw))
+                    payloads.append(b"")
+                except Exception as exc:  # noqa: BLE001
+                    payloads.append(None)
+                    errors.append((pos, index, self.stage(), pack_exception(exc)))
+        writer = self.chunk_writer(slot, row0)
+        if samples:
+            try:
+                blob = writer.dump(samples)
+            except Unsupported:
+                if must:
+                    raise
+                return None
+            except Exception as exc:  # noqa: BLE001 - collation failed: the batch fails
+                errors.append((0, items[0][0], "collate", pack_exception(exc)))
+                return ("done", task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
+            payloads[payloads.index(b"")] = blob
+        specs = writer.specs if slot is None else None
+        return ("done", task_id, payloads, errors, specs, 0, time.perf_counter() - started)
+
+    def chunk_writer(self, slot, row0: int) -> ChunkWriter:
+        if slot is None:
+            return ChunkWriter(None, None, row0, None)
+        writer = self.writer(slot, SlotWriter)
+        return ChunkWriter(writer.segment, writer.layout, row0, writer._columns)
 
     def run_whole(self, task_id, slot, items, skip_errors: bool):
         writer = self.writer(slot)
         started = time.perf_counter()
         samples, errors = [], []
+        if self.cfg.auto_collation and self.batched():
+            try:
+                samples = self.fetch_batch(items)
+            except Exception as exc:  # noqa: BLE001 - reported to the consumer with its index
+                errors = [(0, items[0][0], "__getitems__", pack_exception(exc))]
+                return ("done", task_id, [None], errors, None, 0, time.perf_counter() - started)
+            return self.finish_batch(task_id, slot, writer, samples, [], started, [i for i, _ in items])
         for pos, (index, raw) in enumerate(items):
             try:
                 samples.append(self.load(index, raw))
             except Exception as exc:  # noqa: BLE001
                 errors.append((pos, index, self.stage(), pack_exception(exc)))
-        if errors and not skip_errors:
+        if (errors and not skip_errors) or not samples:
             return ("done", task_id, [None], errors, None, 0, time.perf_counter() - started)
-        return self.finish_batch(task_id, slot, writer, samples, errors, started, items[0][0] if items else None)
+        failed = {pos for pos, _, _, _ in errors}
+        collated = [index for pos, (index, _) in enumerate(items) if pos not in failed]
+        return self.finish_batch(task_id, slot, writer, samples, errors, started, collated)
 
     def finish_batch(self, task_id, slot, writer, samples, errors, started, index):
         cfg = self.cfg
+        self.mark(COLLATING)
         try:
             if cfg.auto_collation:
                 batch = cfg.collate_fn(samples)
@@ -200,10 +296,17 @@ class _Worker:
                 self.drop(msg[1])
                 continue
             _, task_id, slot, payload, drops = msg
+            self.task = task_id
             self.drop(drops)
+            cpu = time.process_time()
             if kind == "rows":
-                items, row0 = payload
-                reply = self.run_rows(task_id, slot, items, row0)
+                items, row0, *chunked = payload
+                chunked = chunked[0] if chunked else False
+                reply = None
+                if chunked is not False:
+                    reply = self.run_chunk(task_id, slot, items, row0, must=chunked is True)
+                if reply is None:
+                    reply = self.run_rows(task_id, slot, items, row0)
             elif kind == "whole":
                 items, skip_errors = payload
                 reply = self.run_whole(task_id, slot, items, skip_errors)
@@ -211,7 +314,20 @@ class _Worker:
                 reply = self.run_iter(task_id, slot)
             else:  # pragma: no cover - a bug in the engine
                 raise RuntimeError(f"unknown task kind {kind!r}")
+            if reply[0] == "done":
+                reply += (time.process_time() - cpu,)  # CPU seconds: compared to wall time in stats
             _wire.send_blocking(self.sock, reply)
+
+
+def _receive_progress(ctrl):
+    """The pool's progress cells: the first memory the control socket carries."""
+    try:
+        header, fd = recv_fd(ctrl, SLOT_HEADER.size)
+    except (OSError, ConnectionError):
+        return None, None  # the loader is gone; serving stops at once
+    sid, size = SLOT_HEADER.unpack(header)
+    memory = Segment(fd, size)
+    return memory, memoryview(memory.map).cast("q")
 
 
 def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=()) -> None:
@@ -223,7 +339,8 @@ def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=()) -> 
     # Ctrl-C is the parent's business: it stops the workers in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    worker = _Worker(worker_id, cfg, sock, ctrl)
+    progress_memory, progress = _receive_progress(ctrl)
+    worker = _Worker(worker_id, cfg, sock, ctrl, progress)
     worker.start_epoch(cfg.base_seed, per_sample_seeds=False)
     try:
         if cfg.worker_init_fn is not None:

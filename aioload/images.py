@@ -4,23 +4,31 @@ Decoding uses ``torchvision.io`` (libjpeg-turbo). When ``decode_size`` says the 
 needs a much smaller image, JPEGs are decoded at 1/2, 1/4 or 1/8 scale in the DCT domain
 (Pillow's ``draft``), which is several times cheaper than decoding at full size and resizing.
 Images stay uint8 until the device, where :class:`aioload.transforms.Normalize` converts them.
+
+Reads go through an :class:`aioload.Storage`, so a folder or a list of files can live on a
+local disk, behind HTTP or in an object store, with retries and an optional cache.
 """
 
 from __future__ import annotations
 
 import io
 import os
-from typing import Any, Callable
+import warnings
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 import torchvision.io
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_allowed_extension, make_dataset
 
-from aioload._dataset import Dataset
-from aioload._storage import read_bytes, read_bytes_blocking
+from aioload import _fsspec
+from aioload._cache import MemoryCache
+from aioload._diskcache import DiskCache
+from aioload._dataset import NOT_READY, Dataset
+from aioload._mounts import is_network
+from aioload._storage import Storage, locate, read_bytes_blocking
 
-__all__ = ["ImageFolder", "decode_image"]
+__all__ = ["ImageFiles", "ImageFolder", "decode_image"]
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
 
@@ -36,7 +44,18 @@ def decode_image(data: bytes | bytearray | memoryview, size: tuple[int, int] | N
         if reduced is not None:
             return reduced
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return torchvision.io.decode_image(buf, mode=torchvision.io.ImageReadMode.RGB)
+    return _decode_rgb(buf)
+
+
+def _decode_rgb(buf: torch.Tensor) -> torch.Tensor:
+    # torchvision >= 0.29 warns on every call to its (deprecated) image functions; the
+    # operator underneath is the same libjpeg-turbo/libpng decoder, called directly.
+    op = getattr(getattr(torch.ops, "image", None), "decode_image", None)
+    if op is not None:
+        return op(buf, torchvision.io.ImageReadMode.RGB.value, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torchvision.io.decode_image(buf, mode=torchvision.io.ImageReadMode.RGB)
 
 
 def _decode_jpeg_reduced(data, size: tuple[int, int]) -> torch.Tensor | None:
@@ -52,7 +71,112 @@ def _decode_jpeg_reduced(data, size: tuple[int, int]) -> torch.Tensor | None:
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
 
 
-class ImageFolder(Dataset):
+class _Images(Dataset):
+    """What the image datasets share: locations and targets in numpy arrays, reads through a
+    :class:`Storage`, decoding to uint8 ``(3, H, W)`` tensors.
+
+    Locations are kept in one numpy array rather than a list of Python strings, so forked
+    workers do not copy the list page by page as reference counts change (copy-on-read).
+    """
+
+    def _setup(self, locations: Sequence[str], targets, transform, target_transform, decode_size,
+               storage: Storage | None, cache, read_in: str = "auto") -> None:
+        if read_in not in ("auto", "loop", "worker"):
+            raise ValueError(f"read_in must be 'auto', 'loop' or 'worker', got {read_in!r}")
+        self.transform = transform
+        self.target_transform = target_transform
+        self.decode_size = decode_size
+        self.storage = _storage(storage, cache)
+        self._paths = np.array([os.fsencode(p) for p in locations], dtype=np.bytes_)
+        self._targets = targets
+        self.read_in = read_in
+        self._read_in_worker = _reads_in_worker(read_in, locations, self.storage)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def path(self, index: int) -> str:
+        """The local path or URL of sample ``index``."""
+        return os.fsdecode(self._paths[index])
+
+    def describe(self, index: int) -> str:
+        return self.path(index)
+
+    def _target(self, index: int):
+        return None if self._targets is None else self._targets[index].item()
+
+    async def read(self, index: int) -> tuple[bytes | _LocalFile, Any]:
+        if self._read_in_worker:
+            return _LocalFile(self.path(index)), self._target(index)
+        return await self.storage.read_bytes(self.path(index)), self._target(index)
+
+    def read_nowait(self, index: int) -> tuple[_LocalFile, Any] | Any:
+        # only while ``read`` is this class's own: a subclass that adds work to its reads
+        # (latency, a lookup) must have them awaited
+        if type(self).read is not _Images.read:
+            return NOT_READY
+        return self._local_file(index)
+
+    def _local_file(self, index: int) -> tuple[_LocalFile, Any] | Any:
+        """The raw item of a file the worker reads itself, or ``NOT_READY``."""
+        if self._read_in_worker:
+            return _LocalFile(self.path(index)), self._target(index)
+        return NOT_READY
+
+    def read_blocking(self, index: int) -> tuple[bytes, Any]:
+        return self.storage.read_bytes_blocking(self.path(index)), self._target(index)
+
+    def decode(self, raw: tuple[bytes | _LocalFile, Any]) -> Any:
+        data, target = raw
+        if type(data) is _LocalFile:
+            data = read_bytes_blocking(data.path)
+        image = decode_image(data, self.decode_size)
+        if self.transform is not None:
+            image = self.transform(image)
+        if self._targets is None:
+            return image
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return image, target
+
+
+class _LocalFile:
+    """A local file the worker reads itself, just before decoding it."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (_LocalFile, (self.path,))
+
+
+def _reads_in_worker(read_in: str, locations: Sequence[str], storage: Storage) -> bool:
+    """Where the bytes of local files are read. A file on a local disk is read fastest by the
+    worker that decodes it: the main process then spends nothing per image and no bytes cross
+    a socket. Storage with latency -- network file systems, URLs -- is read on the event loop,
+    many reads in flight. A cache lives in the main process, so it needs reads there too."""
+    if read_in != "auto":
+        return read_in == "worker" and all(locate(p)[0] == "local" for p in locations[:1])
+    if not locations or storage.cache is not None:
+        return False
+    kind, where = locate(os.fspath(locations[0]))
+    return kind == "local" and not is_network(os.path.dirname(os.path.abspath(where)) or ".")
+
+
+def _storage(storage: Storage | None, cache) -> Storage:
+    if storage is not None and cache is not None:
+        raise TypeError("pass either storage= or cache=, not both: give the cache to the storage, "
+                        "Storage(cache=..., retry=...)")
+    if storage is None:
+        return Storage(cache=cache)
+    if not isinstance(storage, Storage):
+        raise TypeError(f"storage must be an aioload.Storage, got {type(storage).__name__}")
+    return storage
+
+
+class ImageFolder(_Images):
     """``torchvision.datasets.ImageFolder``, read by the event loop and decoded in the workers.
 
     Same ``classes``, ``class_to_idx``, ``samples``, ``targets`` and order as torchvision's.
@@ -60,26 +184,39 @@ class ImageFolder(Dataset):
     ``torchvision.transforms.v2`` pipelines apply directly. ``decode_size=(h, w)``: the
     smallest image the transform needs, which lets large JPEGs decode at reduced scale.
 
-    Paths are kept in one numpy array rather than a list of Python strings, so forked workers
-    do not copy the list page by page as reference counts change (the copy-on-read problem).
+    ``root`` may also be an fsspec URL whose filesystem can list (``s3://bucket/train``,
+    ``gs://...``, ``memory://...``; options in ``storage=Storage(storage_options=...)``).
+    ``cache=`` (a :class:`aioload.MemoryCache` or :class:`aioload.DiskCache`) keeps raw
+    bytes for later epochs; ``storage=`` sets retries, timeouts and connections instead.
+
+    ``read_in``: where a local file's bytes are read. ``"auto"`` (default) reads files on a
+    local disk in the worker that decodes them (the cheapest place: no main-process CPU, no
+    bytes through a socket) and files on a network file system on the event loop, many in
+    flight; ``"loop"`` or ``"worker"`` force one or the other.
     """
 
     def __init__(self, root: str | os.PathLike, transform: Callable | None = None,
                  target_transform: Callable | None = None, *, is_valid_file: Callable[[str], bool] | None = None,
-                 allow_empty: bool = False, decode_size: tuple[int, int] | None = None):
+                 allow_empty: bool = False, decode_size: tuple[int, int] | None = None,
+                 cache: MemoryCache | DiskCache | None = None, storage: Storage | None = None,
+                 read_in: str = "auto"):
         self.root = os.fspath(root)
-        self.transform = transform
-        self.target_transform = target_transform
-        self.decode_size = decode_size
-        self.classes, self.class_to_idx = find_classes(self.root)
         extensions = IMG_EXTENSIONS if is_valid_file is None else None
-        samples = make_dataset(self.root, self.class_to_idx, extensions, is_valid_file, allow_empty)
+        kind, where = locate(self.root)
+        if kind == "local":
+            self.classes, self.class_to_idx = find_classes(where)
+            samples = make_dataset(where, self.class_to_idx, extensions, is_valid_file, allow_empty)
+        elif kind == "fsspec":
+            options = storage.storage_options if storage is not None else {}
+            self.classes, self.class_to_idx, samples = _listed_folder(self.root, options, extensions,
+                                                                      is_valid_file, allow_empty)
+        else:
+            raise ValueError(f"ImageFolder needs a root it can list, got {self.root!r}: HTTP servers "
+                             "cannot list folders; pass the image URLs to aioload.ImageFiles instead")
         self.extensions = extensions
-        self._paths = np.array([os.fsencode(p) for p, _ in samples], dtype=np.bytes_)
-        self._targets = np.array([t for _, t in samples], dtype=np.int64)
-
-    def __len__(self) -> int:
-        return len(self._targets)
+        targets = np.array([t for _, t in samples], dtype=np.int64)
+        self._setup([p for p, _ in samples], targets, transform, target_transform, decode_size, storage, cache,
+                    read_in)
 
     @property
     def samples(self) -> list[tuple[str, int]]:
@@ -91,26 +228,71 @@ class ImageFolder(Dataset):
     def targets(self) -> list[int]:
         return self._targets.tolist()
 
-    def path(self, index: int) -> str:
-        return os.fsdecode(self._paths[index])
-
-    def describe(self, index: int) -> str:
-        return self.path(index)
-
-    async def read(self, index: int) -> tuple[bytes, int]:
-        return await read_bytes(self.path(index)), int(self._targets[index])
-
-    def read_blocking(self, index: int) -> tuple[bytes, int]:
-        return read_bytes_blocking(self.path(index)), int(self._targets[index])
-
-    def decode(self, raw: tuple[bytes, int]) -> tuple[Any, Any]:
-        data, target = raw
-        image = decode_image(data, self.decode_size)
-        if self.transform is not None:
-            image = self.transform(image)
-        if self.target_transform is not None:
-            target = self.target_transform(target)
-        return image, target
-
     def __repr__(self) -> str:
         return f"ImageFolder(root={self.root!r}, samples={len(self)}, classes={len(self.classes)})"
+
+
+def _listed_folder(root: str, options, extensions, is_valid_file, allow_empty):
+    """torchvision's ``find_classes`` + ``make_dataset`` over an fsspec listing: same classes,
+    same order (directories sorted, then file names within each), same errors."""
+    if (extensions is None) == (is_valid_file is None):
+        raise ValueError("Both extensions and is_valid_file cannot be None or not None at the same time")
+    entries = _fsspec.find(root, options)
+    classes = sorted(rel for rel, kind in entries.items() if kind == "directory" and "/" not in rel)
+    if not classes:
+        raise FileNotFoundError(f"Couldn't find any class folder in {root}.")
+    class_to_idx = {name: i for i, name in enumerate(classes)}
+    valid = is_valid_file or (lambda p: has_file_allowed_extension(p, extensions))
+    base = root.rstrip("/") + "/"
+    files = sorted(rel.rpartition("/")[::2] for rel, kind in entries.items() if kind != "directory")
+    samples, found = [], set()
+    for name in classes:
+        for folder, fname in files:
+            if folder == name or folder.startswith(name + "/"):
+                url = f"{base}{folder}/{fname}"
+                if valid(url):
+                    samples.append((url, class_to_idx[name]))
+                    found.add(name)
+    empty = set(classes) - found
+    if empty and not allow_empty:
+        msg = f"Found no valid file for the classes {', '.join(sorted(empty))}. "
+        if extensions is not None:
+            msg += f"Supported extensions are: {extensions if isinstance(extensions, str) else ', '.join(extensions)}"
+        raise FileNotFoundError(msg)
+    return classes, class_to_idx, samples
+
+
+class ImageFiles(_Images):
+    """Images at a list of local paths or URLs (``http(s)://``, ``s3://``, any fsspec URL).
+
+    A sample is ``(image, label)`` with ``labels`` (one number per path), or the image alone
+    without; ``image`` is a uint8 ``(3, H, W)`` RGB tensor as in :class:`ImageFolder`.
+    ``decode_size``, ``transform`` and ``target_transform`` work as there. ``cache=`` keeps
+    raw bytes for later epochs; ``storage=`` (an :class:`aioload.Storage`) sets retries,
+    timeouts, connections and headers instead.
+    """
+
+    def __init__(self, paths_or_urls: Sequence[str | os.PathLike], labels: Sequence[Any] | None = None,
+                 transform: Callable | None = None, target_transform: Callable | None = None,
+                 decode_size: tuple[int, int] | None = None, *, cache: MemoryCache | DiskCache | None = None,
+                 storage: Storage | None = None, read_in: str = "auto"):
+        if isinstance(paths_or_urls, (str, bytes, os.PathLike)):
+            raise TypeError("paths_or_urls must be a sequence of paths or URLs, not a single one: "
+                            "wrap it in a list, or use aioload.ImageFolder for a folder")
+        locations = [os.fspath(p) for p in paths_or_urls]
+        targets = None
+        if labels is not None:
+            targets = np.asarray(labels)
+            if targets.ndim != 1 or len(targets) != len(locations):
+                raise ValueError(f"labels must hold one label per path: got {targets.shape} labels "
+                                 f"for {len(locations)} paths")
+            if targets.dtype.kind not in "biuf":
+                raise TypeError(f"labels must be numbers (class indices), got dtype {targets.dtype}")
+        self._setup(locations, targets, transform, target_transform, decode_size, storage, cache, read_in)
+
+    @property
+    def targets(self) -> list | None:
+        return None if self._targets is None else self._targets.tolist()
+
+    def __repr__(self) -> str:
+        return f"ImageFiles(samples={len(self)}, labels={self._targets is not None})"

@@ -1,0 +1,223 @@
+"""Side-by-side measurements: aioload against torch's DataLoader on the same data and work.
+
+Used by ``aioload bench`` and by the scripts in ``benchmarks/``. Every figure is a ratio
+measured in one run (these machines are shared and noisy): rounds are interleaved, and the
+median of each column is reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from aioload._dataset import NOT_READY
+from aioload.images import ImageFolder, decode_image
+
+
+def rrc_flip():
+    """The ImageNet training transform on uint8 tensors: RandomResizedCrop(224) + flip."""
+    from torchvision.transforms import v2
+
+    return v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()])
+
+
+class BenchImages(ImageFolder):
+    """An ImageFolder whose every read first waits ``latency_ms`` (a simulated storage round
+    trip): ``asyncio.sleep`` on aioload's event loop, ``time.sleep`` in a blocking read."""
+
+    def __init__(self, root, transform=None, latency_ms: float = 0.0, **kwargs):
+        super().__init__(root, transform, **kwargs)
+        self.latency_s = latency_ms / 1000.0
+
+    async def read(self, index):
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        return await super().read(index)
+
+    def read_nowait(self, index):
+        return NOT_READY if self.latency_s else self._local_file(index)
+
+    def read_blocking(self, index):
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        return super().read_blocking(index)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def memory_mb() -> float:
+    """Proportional set size of this process and its children (shared pages counted once)."""
+    pid = os.getpid()
+    return sum(_pss_kb(p) for p in [pid, *_children(pid)]) / 1024
+
+
+def shm_used_mb() -> float:
+    """Bytes in use on /dev/shm (files unlinked but still open count too)."""
+    try:
+        return shutil.disk_usage("/dev/shm").used / 2**20
+    except OSError:
+        return 0.0
+
+
+@dataclass
+class Run:
+    name: str
+    images: int
+    seconds: float
+    first_batch_s: float
+    cpu_s: float
+    memory_mb: float
+    shm_mb: float
+    stats: object = None
+
+    @property
+    def rate(self) -> float:
+        return self.images / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def cpu_ms_per_image(self) -> float:
+        return self.cpu_s / max(1, self.images) * 1e3
+
+
+def _count(batch) -> int:
+    first = batch[0] if isinstance(batch, (list, tuple)) else batch
+    return len(first) if hasattr(first, "__len__") else 1
+
+
+def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: int = 1) -> Run:
+    """Iterate a fresh loader; throughput counts the batches after the first one (the first
+    one's wait is reported as time to first batch)."""
+    gc.collect()
+    loader = make_loader()
+    images = 0
+    peak_mem = peak_shm = 0.0
+    cpu0 = time.process_time()
+    start = time.perf_counter()
+    first = None
+    steady_from = None
+    try:
+        for epoch in range(epochs):
+            for i, batch in enumerate(loader):
+                now = time.perf_counter()
+                if first is None:
+                    first = now - start
+                    steady_from = now
+                    cpu0 = time.process_time()
+                else:
+                    images += _count(batch)
+                if i % 4 == 0:
+                    peak_shm = max(peak_shm, shm_used_mb())
+                if i == 8:
+                    peak_mem = max(peak_mem, memory_mb())
+                del batch
+                if limit is not None and images >= limit:
+                    break
+        seconds = time.perf_counter() - steady_from
+        cpu = time.process_time() - cpu0
+        peak_mem = max(peak_mem, memory_mb())
+        stats = loader.stats() if hasattr(loader, "stats") else None
+    finally:
+        close = getattr(loader, "close", None)
+        if close is not None:
+            close()
+        del loader
+        gc.collect()
+    return Run(name, images, seconds, first or 0.0, cpu, peak_mem, peak_shm, stats)
+
+
+def _ceiling_worker(paths, transform, queue) -> None:
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    for path in paths:
+        with open(path, "rb") as f:
+            image = decode_image(f.read())
+        if transform is not None:
+            transform(image)
+    queue.put(time.perf_counter() - started)
+
+
+def ceiling(paths: list[str], transform, workers: int) -> float:
+    """img/s of the same read+decode+transform in a tight loop, one process per worker."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_ceiling_worker, args=(paths[w::workers], transform, queue)) for w in range(workers)]
+    for p in procs:
+        p.start()
+    longest = max(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join()
+    return len(paths) / longest
+
+
+def median(values: Iterable[float]) -> float:
+    values = list(values)
+    return statistics.median(values) if values else 0.0
+
+
+@dataclass
+class Comparison:
+    """Interleaved rounds of named loader factories; medians per column."""
+
+    factories: dict[str, Callable]
+    limit: int | None = None
+    runs: dict[str, list[Run]] = field(default_factory=dict)
+
+    def run(self, rounds: int, progress: Callable[[str], None] | None = None) -> None:
+        names = list(self.factories)
+        for r in range(rounds):
+            order = names if r % 2 == 0 else names[::-1]
+            for name in order:
+                result = measure(name, self.factories[name], self.limit)
+                self.runs.setdefault(name, []).append(result)
+                if progress:
+                    progress(f"round {r + 1}/{rounds} {name:<28} {result.rate:8.1f} img/s  "
+                             f"first batch {result.first_batch_s:6.2f} s")
+
+    def med(self, name: str, attr: str) -> float:
+        return median(getattr(run, attr) for run in self.runs[name])
+
+
+def environment() -> str:
+    """How the run was made, printed under every table."""
+    import torchvision
+
+    return (f"python {sys.version.split()[0]}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
+            f"{os.cpu_count()} CPUs, {sys.platform}, start method default, "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')}")

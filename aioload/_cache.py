@@ -1,0 +1,138 @@
+"""Caches of raw bytes, so that later epochs skip the storage: in memory here, in a directory
+in ``_diskcache``.
+
+Both are bounded in bytes. Pass one as ``cache=`` to :class:`aioload.ImageFolder`,
+:class:`aioload.ImageFiles` or :class:`aioload.Storage` (for your own datasets' reads).
+
+Sizing: a :class:`MemoryCache` holds raw (encoded) bytes, about 110 KB per ImageNet JPEG, in
+the loader's main process; give it what RAM you can spare. A :class:`DiskCache` suits remote
+objects on a fast local disk, and survives restarts; size it to the local disk you can spare.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from dataclasses import dataclass
+
+__all__ = ["CacheStats", "MemoryCache", "check_budget"]
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A snapshot of a cache's counters (``cache.stats()``)."""
+
+    hits: int
+    misses: int
+    entries: int
+    bytes: int
+    max_bytes: int
+    evictions: int
+    rejected: int  # objects not stored: larger than the budget, or the cache was full
+
+    @property
+    def hit_rate(self) -> float:
+        looked = self.hits + self.misses
+        return self.hits / looked if looked else 0.0
+
+
+def check_budget(max_bytes) -> None:
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
+        raise TypeError(f"max_bytes must be an int number of bytes, got {max_bytes!r}")
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+
+
+class Counters:
+    def __init__(self) -> None:
+        self.hits = self.misses = self.evictions = self.rejected = 0
+
+
+class MemoryCache:
+    """Raw bytes in the loader's process, at most ``max_bytes`` of them.
+
+    ``eviction="none"`` (the default) keeps the first objects that fit and stores no more
+    once the budget is used: with a dataset larger than the budget, every epoch still reads
+    ``max_bytes`` worth from RAM. ``"lru"`` evicts the least recently used object instead,
+    which suits reads that return to recent objects but thrashes on epoch-long scans (a
+    sequential epoch over a dataset larger than the budget then never hits).
+    """
+
+    blocking = False  # get/put never wait on I/O: called on the event loop directly
+    remote_only = False
+
+    def __init__(self, max_bytes: int, *, eviction: str = "none"):
+        check_budget(max_bytes)
+        if eviction not in ("none", "lru"):
+            raise ValueError(f"eviction must be 'none' or 'lru', got {eviction!r}")
+        self.max_bytes = max_bytes
+        self.eviction = eviction
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._items: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._bytes = 0
+        self._n = Counters()
+
+    def _own(self) -> None:
+        if self._pid != os.getpid():  # a forked child starts empty, with a fresh lock
+            self._reset()
+
+    def get(self, key: str) -> bytes | None:
+        self._own()
+        with self._lock:
+            data = self._items.get(key)
+            if data is None:
+                self._n.misses += 1
+                return None
+            self._n.hits += 1
+            if self.eviction == "lru":
+                self._items.move_to_end(key)
+            return data
+
+    def put(self, key: str, data: bytes) -> None:
+        self._own()
+        data = bytes(data)
+        size = len(data)
+        with self._lock:
+            if key in self._items:
+                return
+            if size > self.max_bytes:
+                self._n.rejected += 1
+                return
+            if self.eviction == "lru":
+                while self._bytes + size > self.max_bytes:
+                    _, old = self._items.popitem(last=False)
+                    self._bytes -= len(old)
+                    self._n.evictions += 1
+            elif self._bytes + size > self.max_bytes:
+                self._n.rejected += 1
+                return
+            self._items[key] = data
+            self._bytes += size
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
+    def stats(self) -> CacheStats:
+        self._own()
+        with self._lock:
+            n = self._n
+            return CacheStats(n.hits, n.misses, len(self._items), self._bytes, self.max_bytes, n.evictions, n.rejected)
+
+    def __getstate__(self):
+        # Worker processes get the budget, never the contents (reads happen in the main process).
+        return {"max_bytes": self.max_bytes, "eviction": self.eviction}
+
+    def __setstate__(self, state) -> None:
+        self.max_bytes = state["max_bytes"]
+        self.eviction = state["eviction"]
+        self._reset()
+
+    def __repr__(self) -> str:
+        return f"MemoryCache(max_bytes={self.max_bytes}, eviction={self.eviction!r})"

@@ -1,0 +1,222 @@
+"""Chunk mode: a worker collates a whole chunk of a batch straight into its slot rows.
+
+With default collation and samples made of tensors, numeric arrays, numbers and strings
+(nested in tuples, lists, dicts, namedtuples), a worker runs torch's own ``collate`` over its
+chunk with leaf functions that stack each column into the slot (``torch.stack(out=...)``) and
+return a small marker instead. The parent receives one skeleton per chunk and joins the chunks
+column by column: a column whose chunks fill rows ``0..n-1`` is a view of the slot. The cost per
+sample is then one ``__getitem__`` and a share of one ``stack``; structure, dtypes and errors
+stay ``default_collate``'s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import collate, default_collate_fn_map
+
+from aioload._layout import Layout, LeafSpec
+
+CHUNK_MAGIC = b"\x00K"
+"""First bytes of a chunk-mode payload (a pickle starts with b"\\x80")."""
+
+_NUMPY_SCALARS = (np.bool_, np.number, np.object_)
+
+
+class _Col:
+    """Leaf ``k`` of this chunk was stacked into column ``k`` of the slot."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __reduce__(self):
+        return (_Col, (self.k,))
+
+
+class _Tensor:
+    """Leaf stacked outside the slot (no slot yet, or a shape the column does not have)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):
+        return (_Tensor, (self.value,))
+
+
+class _Seq:
+    """Strings or bytes: ``default_collate`` keeps the column as it is (a tuple or a list)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):
+        return (_Seq, (self.value,))
+
+
+class Unsupported(Exception):
+    """A leaf that chunk mode cannot join across chunks (a type with its own collate
+    function registered in ``default_collate_fn_map``): the worker falls back to rows."""
+
+
+def _spec(t: torch.Tensor) -> LeafSpec:
+    return LeafSpec("t", str(t.dtype), tuple(t.shape[1:]))
+
+
+class ChunkWriter:
+    """Collates one chunk (rows ``row0 .. row0 + n``) into a slot; see the module docstring."""
+
+    def __init__(self, segment, layout: Layout | None, row0: int, columns):
+        self.layout = layout if segment is not None else None
+        self.columns = columns
+        self.row0 = row0
+        self.specs: list[LeafSpec] = []
+
+    def dump(self, samples: list) -> bytes:
+        self.specs = []
+        fn_map = dict(default_collate_fn_map)  # a local map: no cycle through bound methods
+        fn_map[torch.Tensor] = self._tensor
+        fn_map[float] = fn_map[int] = fn_map[bool] = self._number
+        fn_map[_NUMPY_SCALARS] = self._numpy_scalar
+        fn_map[str] = fn_map[bytes] = self._strings
+        skeleton = collate(samples, collate_fn_map=fn_map)
+        check_supported(skeleton)
+        return CHUNK_MAGIC + pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+
+    # -- leaf functions (called by torch's collate) -----------------------------------------
+    def _column(self, k: int, spec: LeafSpec):
+        layout = self.layout
+        if layout is None or k >= len(layout.leaves) or layout.leaves[k] != spec:
+            return None
+        column = self.columns[k]
+        return column if type(column) is torch.Tensor else torch.from_numpy(column)
+
+    def _put(self, stacked: torch.Tensor):
+        k = len(self.specs)
+        spec = _spec(stacked)
+        self.specs.append(spec)
+        column = self._column(k, spec)
+        n = stacked.shape[0]
+        if column is None or self.row0 + n > column.shape[0]:
+            return _Tensor(stacked)
+        column[self.row0 : self.row0 + n].copy_(stacked)
+        return _Col(k)
+
+    def _tensor(self, batch, *, collate_fn_map=None):
+        elem = batch[0]
+        if elem.is_nested or elem.layout is not torch.strided:
+            return _Tensor(default_collate_fn_map[torch.Tensor](batch))  # raises torch's error
+        k = len(self.specs)
+        spec = LeafSpec("t", str(elem.dtype), tuple(elem.shape))
+        column = self._column(k, spec)
+        n = len(batch)
+        if column is not None and self.row0 + n <= column.shape[0]:
+            self.specs.append(spec)
+            torch.stack(batch, 0, out=column[self.row0 : self.row0 + n])
+            return _Col(k)
+        return self._put(torch.stack(batch, 0))
+
+    def _number(self, batch, *, collate_fn_map=None):
+        elem_type = type(batch[0])
+        if elem_type is float:
+            return self._put(torch.tensor(batch, dtype=torch.float64))
+        return self._put(torch.tensor(batch))  # int and bool, as collate_int_fn
+
+    def _numpy_scalar(self, batch, *, collate_fn_map=None):
+        if isinstance(batch[0], np.object_):
+            return default_collate_fn_map[_NUMPY_SCALARS](batch)
+        return self._put(torch.as_tensor(batch))
+
+    def _strings(self, batch, *, collate_fn_map=None):
+        return _Seq(batch)
+
+
+def check_supported(skeleton) -> None:
+    """Raise :class:`Unsupported` if a leaf of ``skeleton`` is not a chunk-mode marker."""
+    kind = type(skeleton)
+    if kind in (_Col, _Tensor, _Seq):
+        return
+    if isinstance(skeleton, dict):
+        for value in skeleton.values():
+            check_supported(value)
+    elif isinstance(skeleton, (list, tuple)):
+        for value in skeleton:
+            check_supported(value)
+    else:
+        raise Unsupported(type(skeleton).__name__)
+
+
+# ----------------------------------------------------------------------------- parent side
+
+
+def join_chunks(chunks: list[tuple[int, int, object]], view):
+    """The batch from ``(first row, rows, skeleton)`` per chunk, in row order."""
+    contiguous = chunks[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    spans = [(r0, n) for r0, n, _ in chunks]
+    # module-level recursion, not a closure calling itself: a self-referencing closure is a
+    # reference cycle that would keep the slot view (and so the slot) alive until gc runs
+    return _join([skeleton for _, _, skeleton in chunks], view, spans, contiguous)
+
+
+def _join(nodes, view, spans, contiguous: bool):
+    first = nodes[0]
+    kind = type(first)
+    if kind is _Col and contiguous and all(type(n) is _Col for n in nodes):
+        return view.column(first.k, sum(n for _, n in spans))
+    if kind in (_Col, _Tensor):
+        parts = [view.rows(n.k, r0, count) if type(n) is _Col else n.value for n, (r0, count) in zip(nodes, spans)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+    if kind is _Seq:
+        if len(nodes) == 1:
+            return first.value
+        return type(first.value)(itertools.chain(*(n.value for n in nodes)))
+    if isinstance(first, dict):
+        joined = {key: _join([n[key] for n in nodes], view, spans, contiguous) for key in first}
+        try:
+            return kind(joined)
+        except TypeError:
+            return joined
+    if isinstance(first, tuple) and hasattr(kind, "_fields"):
+        return kind(*[_join(list(column), view, spans, contiguous) for column in zip(*nodes)])
+    if isinstance(first, (list, tuple)):
+        return kind([_join(list(column), view, spans, contiguous) for column in zip(*nodes)])
+    raise TypeError(f"cannot join chunks holding {kind.__name__}")
+
+
+def load_chunk(payload: bytes):
+    return pickle.loads(payload[len(CHUNK_MAGIC):])
+
+
+def move_chunk_into_slot(payload: bytes, segment, layout: Layout, columns, row0: int) -> bytes:
+    """Rewrite a chunk collated without a slot (the sample that taught the layout) so that
+    its leaves live in the slot's rows from ``row0``."""
+    writer = ChunkWriter(segment, layout, row0, columns)
+    moved = _move(load_chunk(payload), writer)
+    return CHUNK_MAGIC + pickle.dumps(moved, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _move(node, writer: ChunkWriter):
+    kind = type(node)
+    if kind is _Tensor:
+        return writer._put(node.value)
+    if kind in (_Col, _Seq):
+        return node
+    if isinstance(node, dict):
+        moved = {key: _move(v, writer) for key, v in node.items()}
+        try:
+            return kind(moved)
+        except TypeError:
+            return moved
+    if isinstance(node, tuple) and hasattr(kind, "_fields"):
+        return kind(*[_move(v, writer) for v in node])
+    if isinstance(node, (list, tuple)):
+        return kind([_move(v, writer) for v in node])
+    return node

@@ -1,0 +1,94 @@
+"""The embedded default data: a folder of ImageNet-like synthetic JPEGs, made locally.
+
+Each image is a smooth random colour field with mid-frequency structure and fine grain, at
+ImageNet's typical size (about 400x350, varied) and JPEG quality 85-95, so that it decodes at
+the cost of a real photo and compresses to a realistic size. Generation is seeded: the same
+arguments always give the same files. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_IMAGES = 1024
+DEFAULT_CLASSES = 8
+
+
+def cache_dir() -> Path:
+    """Where generated data lives: ``$AIOLOAD_CACHE``, else ``~/.cache/aioload``."""
+    root = os.environ.get("AIOLOAD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "aioload")
+    return Path(root)
+
+
+def _image(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
+    from PIL import Image
+
+    def field(cells_x: int, cells_y: int, channels: int, amplitude: float) -> np.ndarray:
+        small = rng.uniform(0, 255, size=(cells_y, cells_x, channels)).astype(np.uint8)
+        mode = "RGB" if channels == 3 else "L"
+        up = Image.fromarray(small if channels == 3 else small[..., 0], mode).resize((width, height), Image.BICUBIC)
+        arr = np.asarray(up, dtype=np.float32)
+        if channels == 1:
+            arr = arr[..., None]
+        return (arr - 127.5) * amplitude
+
+    base = field(rng.integers(3, 7), rng.integers(3, 7), 3, 0.9) + 127.5
+    detail = field(rng.integers(24, 48), rng.integers(24, 48), 1, 0.35)
+    grain = rng.normal(0, 13, size=(height, width, 1)).astype(np.float32)
+    return np.clip(base + detail + grain, 0, 255).astype(np.uint8)
+
+
+def _write(root: Path, classes: int, seed: int, i: int) -> None:
+    from PIL import Image
+
+    path = root / f"class_{i % classes:03d}" / f"img_{i:06d}.jpg"
+    if path.exists():
+        return
+    rng = np.random.default_rng([seed, i])
+    width, height = int(rng.integers(330, 500)), int(rng.integers(280, 420))
+    quality = int(rng.integers(85, 96))
+    pixels = _image(rng, width, height)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    Image.fromarray(pixels).save(tmp, format="JPEG", quality=quality)
+    os.replace(tmp, path)
+
+
+def _write_range(args) -> None:
+    root, classes, seed, lo, hi = args
+    for i in range(lo, hi):
+        _write(root, classes, seed, i)
+
+
+def make_image_folder(root: str | os.PathLike | None = None, images: int = DEFAULT_IMAGES,
+                      classes: int = DEFAULT_CLASSES, seed: int = 0, quiet: bool = True,
+                      processes: int = 1) -> Path:
+    """Create (once) ``images`` JPEGs in ``classes`` class folders under ``root``.
+
+    Returns the folder. An existing complete folder is reused; a partial one is completed.
+    Image ``i`` depends only on ``(seed, i)``, so ``processes > 1`` makes the same files.
+    """
+    root = Path(root) if root is not None else cache_dir() / f"imagenet-like-{images}-{classes}-s{seed}"
+    marker = root / ".complete"
+    if marker.exists():
+        return root
+    for c in range(classes):
+        (root / f"class_{c:03d}").mkdir(parents=True, exist_ok=True)
+    step = 256
+    ranges = [(root, classes, seed, lo, min(lo + step, images)) for lo in range(0, images, step)]
+    if processes > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("fork").Pool(processes) as pool:
+            for done, _ in enumerate(pool.imap_unordered(_write_range, ranges), 1):
+                if not quiet:
+                    print(f"  generated {min(done * step, images)}/{images} images", flush=True)
+    else:
+        for args in ranges:
+            _write_range(args)
+            if not quiet:
+                print(f"  generated {args[4]}/{images} images", flush=True)
+    marker.touch()
+    return root

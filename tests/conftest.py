@@ -1,0 +1,26 @@
+"""Shared fixtures: small real datasets on disk and leak checks."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import pytest
+
+from aioload._synth import make_image_folder
+
+
+@pytest.fixture(scope="session")
+def image_root(tmp_path_factory):
+    """A small ImageFolder tree of real JPEGs (3 classes), made once per test session."""
+    return make_image_folder(tmp_path_factory.mktemp("images"), images=48, classes=3, seed=1)
+
+
+def aioload_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("aioload")]
+
+
+def child_pids() -> list[int]:
+    """Live aioload worker processes of this process (multiprocessing's own helpers, such as
+    the forkserver, are not counted)."""
+    return [p.pid for p in multiprocessing.active_children() if p.name.startswith("aioload-worker")]

@@ -1,0 +1,229 @@
+"""A real HTTP server for tests: aiohttp on 127.0.0.1 (port 0) in a child process, serving
+the files of a folder, with faults injected on demand.
+
+The server runs in its own process so that the test process keeps a single thread (the
+loader then starts its workers with ``fork``, as in most training scripts). The test drives
+it through :class:`Server`, which talks to control endpoints under ``/_control/``.
+
+``server.script(name, *faults)`` queues faults for the next requests of ``/name`` (one per
+request, in order; afterwards the file is served normally). ``server.script_any(*faults)``
+queues faults taken by whatever request comes next. A fault is:
+
+================  ============================================================================
+``503`` (an int)  that status, with an empty body
+``Status(s, r)``  status ``s`` with header ``Retry-After: r``
+``"reset"``       the connection is dropped before any response (the client sees a reset)
+``"truncate"``    headers promise the whole file (Content-Length), half the body is sent, then
+                  the connection is dropped
+``"hang"``        no answer until the client gives up (then the connection is dropped)
+================  ============================================================================
+
+``server.latency = s`` delays every answer by ``s`` seconds. ``server.requests[name]``
+counts requests per file, ``server.ranges`` lists the Range headers received, and
+``server.peak`` is the most requests held at once by latency or a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Status:
+    status: int
+    retry_after: str | None = None
+
+
+# -- the test's side ---------------------------------------------------------------------------
+class Server:
+    def __init__(self, root: str | os.PathLike):
+        self.root = os.fspath(root)
+        self.port = 0
+        self._proc: subprocess.Popen | None = None
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{name}"
+
+    def start(self) -> "Server":
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.httpserver", self.root], cwd=REPO,
+                                      stdout=subprocess.PIPE, text=True)
+        line = self._proc.stdout.readline()
+        if not line.startswith("port "):
+            self.stop()
+            raise RuntimeError(f"the HTTP test server did not start: {line!r}")
+        self.port = int(line.split()[1])
+        return self
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+            proc.stdout.close()
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def _control(self, op: str, payload=None):
+        data = json.dumps(payload).encode()
+        req = urllib.request.Request(self.url(f"_control/{op}"), data=data, method="POST")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())
+
+    def script(self, name: str, *faults) -> None:
+        self._control("script", {"name": name, "faults": [_encode(f) for f in faults]})
+
+    def script_any(self, *faults) -> None:
+        self._control("script", {"name": None, "faults": [_encode(f) for f in faults]})
+
+    @property
+    def latency(self) -> float:
+        return self._control("state")["latency"]
+
+    @latency.setter
+    def latency(self, seconds: float) -> None:
+        self._control("latency", seconds)
+
+    @property
+    def requests(self) -> collections.Counter:
+        return collections.Counter(self._control("state")["requests"])
+
+    @property
+    def ranges(self) -> list[str]:
+        return self._control("state")["ranges"]
+
+    @property
+    def peak(self) -> int:
+        return self._control("state")["peak"]
+
+
+def _encode(fault):
+    if isinstance(fault, Status):
+        return {"status": fault.status, "retry_after": fault.retry_after}
+    return fault
+
+
+# -- the server process ------------------------------------------------------------------------
+class _State:
+    def __init__(self, root: str):
+        self.root = root
+        self.latency = 0.0
+        self.requests: collections.Counter[str] = collections.Counter()
+        self.ranges: list[str] = []
+        self.waiting = 0
+        self.peak = 0
+        self.scripts: dict = collections.defaultdict(collections.deque)
+
+    def next_fault(self, name: str):
+        self.requests[name] += 1
+        for key in (name, None):
+            if self.scripts.get(key):
+                return self.scripts[key].popleft()
+        return None
+
+
+async def _control(state: _State, request):
+    from aiohttp import web
+
+    op = request.match_info["op"]
+    payload = await request.json()
+    if op == "script":
+        state.scripts[payload["name"]].extend(payload["faults"])
+    elif op == "latency":
+        state.latency = float(payload)
+    elif op != "state":
+        return web.Response(status=400, text=f"unknown control {op!r}")
+    return web.json_response({"latency": state.latency, "requests": state.requests,
+                              "ranges": state.ranges, "peak": state.peak})
+
+
+async def _handle(state: _State, request):
+    from aiohttp import web
+
+    name = request.match_info["name"]
+    fault = state.next_fault(name)
+    if "Range" in request.headers:
+        state.ranges.append(request.headers["Range"])
+    if state.latency or fault == "hang":
+        state.waiting += 1
+        state.peak = max(state.peak, state.waiting)
+        try:
+            if fault == "hang":
+                await asyncio.Event().wait()  # until the client disconnects (handler cancelled)
+            await asyncio.sleep(state.latency)
+        finally:
+            state.waiting -= 1
+    if isinstance(fault, int):
+        return web.Response(status=fault)
+    if isinstance(fault, dict):
+        headers = {"Retry-After": fault["retry_after"]} if fault["retry_after"] is not None else None
+        return web.Response(status=fault["status"], headers=headers)
+    path = os.path.join(state.root, name)
+    if fault == "reset":
+        _drop(request)
+        return web.Response(status=500)
+    if fault == "truncate":
+        with open(path, "rb") as f:
+            data = f.read()
+        resp = web.StreamResponse(headers={"Content-Length": str(len(data))})
+        await resp.prepare(request)
+        await resp.write(data[: len(data) // 2])
+        _drop(request)
+        return resp
+    if fault is not None:
+        return web.Response(status=400, text=f"unknown fault {fault!r}")
+    if not os.path.isfile(path):
+        return web.Response(status=404, text="not found")
+    return web.FileResponse(path)
+
+
+def _drop(request) -> None:
+    """Close the connection at once (RST, not a graceful FIN), as a crashed server would."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+async def _serve(root: str) -> None:
+    from aiohttp import web
+
+    state = _State(root)
+    app = web.Application()
+    app.router.add_post("/_control/{op}", lambda r: _control(state, r))
+    app.router.add_get("/{name:.+}", lambda r: _handle(state, r))
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5, handler_cancellation=True)
+    await runner.setup()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    print(f"port {sock.getsockname()[1]}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+if __name__ == "__main__":
+    asyncio.run(_serve(sys.argv[1]))

@@ -1,0 +1,179 @@
+"""Sharding across ranks and the torchrun example, with real gloo process groups on 127.0.0.1."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import aioload
+from aioload._sampling import ShardSampler
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH_TIMEOUT = 240  # two processes importing torch on a busy 2-core machine
+
+# Launching ranks takes longer than the default per-test limit on a loaded machine.
+pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(script: Path, args: list[str], world: int = 2) -> list[str]:
+    """Start ``world`` processes with the environment torchrun gives its ranks; returns their
+    outputs (and fails with them if any rank fails)."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, out
+    return outputs
+
+
+def torchrun(args: list[str]) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ranks")
+    run_ranks(ROOT / "tests" / "dist_ranks.py", [str(out)])
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_shards_are_disjoint_complete_and_equal(ranks):
+    for epoch in range(2):
+        a, b = (r["even-shuffled"]["epochs"][epoch] for r in ranks)
+        assert len(a) == len(b) == 19
+        assert not set(a) & set(b)
+        assert sorted(a + b) == list(range(38))
+    assert ranks[0]["even-shuffled"]["len"] == math.ceil(19 / 4)
+
+
+def test_shards_are_reshuffled_every_epoch_from_one_permutation(ranks):
+    # Every rank cuts its shard from the permutation an unsharded loader with the same seed
+    # uses, so a one-rank run and a many-rank run see the same order.
+    for epoch in range(2):
+        with aioload.DataLoader(range(38), batch_size=38, shuffle=True, seed=5) as loader:
+            loader.set_epoch(epoch)
+            order = next(iter(loader)).tolist()
+        for rank in range(2):
+            assert ranks[rank]["even-shuffled"]["epochs"][epoch] == order[rank::2]
+    assert ranks[0]["even-shuffled"]["epochs"][0] != ranks[0]["even-shuffled"]["epochs"][1]
+
+
+def test_uneven_shards_are_padded_or_dropped_like_distributed_sampler(ranks):
+    for epoch in range(2):
+        a, b = (r["padded-shuffled"]["epochs"][epoch] for r in ranks)
+        assert len(a) == len(b) == 19
+        assert sorted(set(a + b)) == list(range(37))  # one sample repeated to even the shards
+        a, b = (r["dropped-sequential"]["epochs"][epoch] for r in ranks)
+        # 18 each (the 37th sample dropped), then drop_last drops the incomplete 5th batch
+        assert a == list(range(0, 32, 2)) and b == list(range(1, 33, 2))
+    # Without seed= every rank still agrees on the order (seeded like DistributedSampler).
+    assert ranks[0]["padded-shuffled"]["epochs"][0] != ranks[0]["padded-shuffled"]["epochs"][1]
+    assert ranks[0]["padded-shuffled"]["len"] == 5 and ranks[0]["dropped-sequential"]["len"] == 4
+
+
+def test_shard_false_and_a_users_distributed_sampler(ranks):
+    for rank in range(2):
+        assert ranks[rank]["unsharded"]["epochs"] == [list(range(37))] * 2
+        assert ranks[rank]["unsharded"]["len"] == 10
+        ds = range(37)
+        sampler = torch.utils.data.distributed.DistributedSampler(ds, num_replicas=2, rank=rank, seed=2)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            assert ranks[rank]["distributed-sampler"]["epochs"][epoch] == list(sampler)
+
+
+def test_a_sharded_loader_resumes(ranks):
+    for rank in range(2):
+        resumed = ranks[rank]["resumed"]
+        assert resumed["head"] + resumed["rest"] == ranks[rank]["even-shuffled"]["epochs"][0]
+
+
+def test_shard_sampler_alone():
+    shards = [list(ShardSampler(10, r, 3, shuffle=False, drop_last=False, seed=0)) for r in range(3)]
+    assert shards == [[0, 3, 6, 9], [1, 4, 7, 0], [2, 5, 8, 1]]
+    assert [len(ShardSampler(10, r, 3, shuffle=True, drop_last=True, seed=0)) for r in range(3)] == [3, 3, 3]
+    with pytest.raises(ValueError, match=r"^rank must be in \[0, world_size\), got rank=3, world_size=3$"):
+        ShardSampler(10, 3, 3, shuffle=False, drop_last=False, seed=0)
+    with pytest.raises(TypeError, match=r"^shard must be True or False, got 'yes'$"):
+        aioload.DataLoader(range(3), shard="yes")
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("ddp_train", ROOT / "examples" / "ddp_train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def expected_digests(example, root, steps: int) -> dict[tuple[int, int], str]:
+    """What each rank's step should see, computed here without torch.distributed: the same
+    dataset through a ShardSampler for that rank."""
+    args = example.argparse.Namespace(data=str(root), image_size=64)
+    out = {}
+    for rank in range(2):
+        ds = example.dataset(args)
+        sampler = ShardSampler(len(ds), rank, 2, shuffle=True, drop_last=True, seed=0)
+        with aioload.DataLoader(ds, batch_size=8, sampler=sampler, drop_last=True, seed=0) as loader:
+            step = 0
+            while step < steps:
+                for images, labels in loader:
+                    step += 1
+                    out[rank, step] = example.digest(images, labels)
+                    if step == steps:
+                        break
+    return out
+
+
+def printed(output: str) -> dict[tuple[int, int], str]:
+    return {(int(r), int(s)): d for r, s, d in re.findall(r"rank (\d) epoch \d+ step (\d+) batch (\w+)", output)}
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
+def test_ddp_example_trains_and_resumes(image_root, tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    common = ["examples/ddp_train.py", "--data", str(image_root), "--workers", "1", "--batch-size", "8"]
+    first = printed(torchrun([*common, "--steps", "2", "--checkpoint", str(ckpt)]))
+    second = printed(torchrun([*common, "--steps", "5", "--resume", str(ckpt)]))
+    expected = expected_digests(load_example(), image_root, 5)  # 48 images: 3 steps an epoch
+    assert first == {k: v for k, v in expected.items() if k[1] <= 2}
+    assert second == {k: v for k, v in expected.items() if k[1] > 2}
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["step"] == 2
+    for rank, state in enumerate(saved["loaders"]):  # each rank's own position
+        assert f"rank={rank}," in state["config"]["sampler"]

@@ -1,0 +1,226 @@
+"""Core behaviour: delivery, length, order, async iteration, early exit, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import anyio
+import pytest
+import torch
+
+import aioload
+from tests.conftest import aioload_threads, child_pids
+from tests.datasets import FailsAt, SlowReads, Squares
+
+
+def flat_labels(batches, pos=1):
+    return [int(v) for b in batches for v in b[pos]]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("dataset", [Squares(103), SlowReads(57)], ids=["plain", "split"])
+def test_every_sample_exactly_once_per_epoch(dataset, num_workers):
+    with aioload.DataLoader(dataset, batch_size=10, shuffle=True, num_workers=num_workers) as loader:
+        for _ in range(2):
+            labels = flat_labels(list(loader))
+            assert sorted(labels) == list(range(len(dataset)))
+
+
+def test_out_of_order_delivery_still_delivers_everything_once():
+    with aioload.DataLoader(SlowReads(64, delay=0.001), batch_size=4, num_workers=2, in_order=False) as loader:
+        labels = flat_labels(list(loader))
+    assert collections.Counter(labels) == collections.Counter(range(64))
+
+
+@pytest.mark.parametrize("drop_last, expected", [(False, 11), (True, 10)])
+def test_len_matches_batches(drop_last, expected):
+    with aioload.DataLoader(Squares(103), batch_size=10, num_workers=2, drop_last=drop_last) as loader:
+        assert len(loader) == expected
+        assert len(list(loader)) == expected
+        assert len(loader) == expected
+
+
+def test_batches_match_torch_without_shuffle():
+    dataset = Squares(45)
+    reference = list(torch.utils.data.DataLoader(dataset, batch_size=8))
+    with aioload.DataLoader(dataset, batch_size=8, num_workers=2) as loader:
+        got = list(loader)
+    assert len(got) == len(reference)
+    for ours, theirs in zip(got, reference):
+        assert torch.equal(ours[0], theirs[0])
+        assert torch.equal(ours[1], theirs[1])
+        assert ours[2] == theirs[2]
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("workers, reads", [(1, 1), (3, 256)])
+def test_order_depends_on_seed_only(workers, reads):
+    def order(num_workers, io_concurrency, seed=7):
+        with aioload.DataLoader(SlowReads(50), batch_size=6, shuffle=True, num_workers=num_workers,
+                                io_concurrency=io_concurrency, seed=seed) as loader:
+            return [flat_labels(list(loader)) for _ in range(2)]
+
+    baseline = order(2, 16)
+    assert order(workers, reads) == baseline
+    assert baseline[0] != baseline[1], "each epoch reshuffles"
+    assert order(2, 16, seed=8) != baseline
+
+
+def _ticking(loader, backend: str, backend_options=None):
+    """Iterate with ``async for`` while a coroutine ticks every 10 ms; return (batches, ticks)."""
+
+    async def main():
+        ticks = 0
+        batches = []
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await anyio.sleep(0.01)
+                ticks += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            async for batch in loader:
+                batches.append(batch)
+            tg.cancel_scope.cancel()
+        return batches, ticks
+
+    return anyio.run(main, backend=backend, backend_options=backend_options or {})
+
+
+@pytest.mark.parametrize(
+    "backend, options",
+    [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})],
+    ids=["asyncio", "uvloop", "trio"],
+)
+def test_async_iteration_never_blocks_the_event_loop(backend, options):
+    # Reads take 20 ms each, one at a time: the epoch lasts about 0.4 s, during which a
+    # coroutine that ticks every 10 ms must keep ticking.
+    with aioload.DataLoader(SlowReads(20, delay=0.02), batch_size=5, num_workers=1, io_concurrency=1) as loader:
+        started = time.monotonic()
+        batches, ticks = _ticking(loader, backend, options)
+        elapsed = time.monotonic() - started
+    assert flat_labels(batches) == list(range(20))
+    assert ticks >= 0.3 * elapsed / 0.01, f"only {ticks} ticks in {elapsed:.2f}s: the loop was blocked"
+
+
+def test_async_with_closes_the_loader():
+    async def main():
+        async with aioload.DataLoader(Squares(20), batch_size=5, num_workers=1) as loader:
+            first = None
+            async for batch in loader:
+                first = batch
+                break
+        return loader, first
+
+    loader, first = asyncio.run(main())
+    assert loader.closed
+    assert first[1].tolist() == [0, 1, 2, 3, 4]
+
+
+def _wait_until(predicate, deadline: float = 10.0) -> bool:
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_break_stops_engine_thread_and_workers():
+    loader = aioload.DataLoader(SlowReads(200), batch_size=4, num_workers=2)
+    try:
+        for i, _ in enumerate(loader):
+            if i == 2:
+                break
+        assert _wait_until(lambda: not aioload_threads()), aioload_threads()
+        assert _wait_until(lambda: not child_pids()), child_pids()
+        # and the loader still works afterwards
+        assert sorted(flat_labels(list(loader))) == list(range(200))
+    finally:
+        loader.close()
+    assert _wait_until(lambda: not child_pids())
+
+
+def test_exception_in_training_loop_stops_everything():
+    loader = aioload.DataLoader(SlowReads(200), batch_size=4, num_workers=2)
+
+    def train():
+        for i, _ in enumerate(loader):
+            if i == 3:
+                raise KeyError("loss is nan")
+
+    with pytest.raises(KeyError):
+        train()
+    assert _wait_until(lambda: not aioload_threads())
+    assert _wait_until(lambda: not child_pids())
+    loader.close()
+
+
+def test_close_is_idempotent_and_iteration_after_close_is_an_error():
+    loader = aioload.DataLoader(Squares(10), batch_size=5, num_workers=1)
+    assert len(list(loader)) == 2
+    loader.close()
+    loader.close()
+    assert not child_pids()
+    with pytest.raises(aioload.LoaderClosedError, match="^this DataLoader was closed; create a new one to iterate again$"):
+        iter(loader)
+
+
+def test_decode_error_carries_type_message_index_and_path():
+    with aioload.DataLoader(FailsAt(bad_decode=7), batch_size=4, num_workers=2) as loader:
+        it = iter(loader)
+        assert next(it).flatten().tolist() == [0, 1, 2, 3]
+        with pytest.raises(ValueError) as info:
+            next(it)
+        assert str(info.value) == "corrupt sample 7"
+        notes = "\n".join(info.value.__notes__)
+        assert "dataset index 7 (/data/sample_7.bin)" in notes
+        assert "decode" in notes
+        assert "Original traceback" in notes and "raise ValueError" in notes
+        # the epoch goes on after a failed batch, like torch's DataLoader
+        assert next(it).flatten().tolist() == [8, 9, 10, 11]
+
+
+def test_read_error_names_the_index_and_path():
+    with aioload.DataLoader(FailsAt(bad_decode=-1, bad_read=5), batch_size=4, num_workers=1) as loader:
+        it = iter(loader)
+        next(it)
+        with pytest.raises(OSError) as info:
+            next(it)
+        assert str(info.value) == "cannot read sample 5"
+    assert "while reading dataset index 5 (/data/sample_5.bin)" in info.value.__notes__
+
+
+def test_pin_memory_without_cuda_warns_like_torch():
+    with pytest.warns(UserWarning, match="'pin_memory' argument is set as true but no accelerator is found"):
+        with aioload.DataLoader(Squares(8), batch_size=4, pin_memory=True, num_workers=1) as loader:
+            assert len(list(loader)) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on machines without CUDA")
+def test_device_cuda_without_cuda_warns_and_stays_on_cpu():
+    with pytest.warns(UserWarning, match="CUDA is not available: batches stay on the CPU"):
+        loader = aioload.DataLoader(Squares(8), batch_size=4, device="cuda", num_workers=1)
+    with loader:
+        batch = next(iter(loader))
+    assert batch[0].device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"io_concurrency": 0}, ValueError, "io_concurrency must be >= 1, got 0"),
+        ({"queue_depth": 0}, ValueError, "queue_depth must be >= 1, got 0"),
+        ({"io_concurrency": 2.5}, TypeError, "io_concurrency must be an int >= 1, got 2.5"),
+        ({"on_error": "ignore"}, ValueError, "on_error must be 'raise' or 'skip', got 'ignore'"),
+        ({"seed": 1, "generator": torch.Generator()}, ValueError,
+         "pass either seed or generator, not both: seed=S makes aioload seed a generator per epoch"),
+    ],
+)
+def test_bad_arguments_are_rejected_at_construction(kwargs, error, message):
+    with pytest.raises(error, match=f"^{message.replace('(', '[(]').replace(')', '[)]')}$"):
+        aioload.DataLoader(Squares(8), **kwargs)

@@ -1,0 +1,311 @@
+"""loader.state_dict() / load_state_dict(): stop at batch k, save, restore in a new loader
+(another num_workers, io_concurrency or in_order), and the rest matches an uninterrupted run."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import pytest
+import torch
+
+import aioload
+from tests.random_data import Augmented, Gated, Shuffled, Stream
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+N, BATCH, EPOCHS = 23, 3, 2
+PER_EPOCH = -(-N // BATCH)  # 8 batches
+
+
+def key(batch) -> tuple:
+    """A batch as comparable data: its indices and every augmented value."""
+    return tuple(batch[0].flatten().tolist())
+
+
+def indices(batch) -> tuple:
+    """Only the batch's indices: without seed=, workers draw augmentations from per-worker
+    streams as torch's do, so only the order is reproducible."""
+    return tuple(batch[1].tolist())
+
+
+def roundtrip(state: dict) -> dict:
+    """What survives a checkpoint: JSON, then torch.save with weights_only loading."""
+    state = json.loads(json.dumps(state))
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def uninterrupted(make, key=key) -> list[list[tuple]]:
+    torch.manual_seed(0)
+    with make() as loader:
+        return [[key(b) for b in loader] for _ in range(EPOCHS)]
+
+
+def interrupted(make, k: int, between: bool = False, key=key):
+    """Take ``k`` batches (counted across epochs), then save. ``between``: the k-th batch ends
+    an epoch and the loop runs to its end (StopIteration) before saving."""
+    torch.manual_seed(0)
+    seen: list[list[tuple]] = []
+    with make() as loader:
+        taken = 0
+        for epoch in range(EPOCHS):
+            seen.append([])
+            for batch in loader:
+                seen[-1].append(key(batch))
+                taken += 1
+                if taken == k and not between:
+                    return seen, epoch, roundtrip(loader.state_dict()), torch.get_rng_state()
+            if taken == k:
+                return seen, epoch + 1, roundtrip(loader.state_dict()), torch.get_rng_state()
+    raise AssertionError(f"fewer than {k} batches")
+
+
+def resumed(make, state: dict, epoch: int, rng: torch.Tensor, key=key) -> list[list[tuple]]:
+    with make() as loader:
+        loader.load_state_dict(state)
+        torch.set_rng_state(rng)  # the training script restores its own RNG state
+        return [[key(b) for b in loader] for _ in range(epoch, EPOCHS)]
+
+
+def check_save_load(make_saved, make_resumed, k: int, between: bool = False, in_order: bool = True, key=key):
+    """The torchdata habit: stop at k, save, restore into another loader, compare the rest."""
+    full = uninterrupted(make_saved, key)
+    seen, epoch, state, rng = interrupted(make_saved, k, between, key)
+    rest = resumed(make_resumed, state, epoch, rng, key)
+    stopped = len(seen) - 1
+    if between:
+        assert seen == full[: len(seen)]
+        assert rest == full[len(seen):]
+        return
+    # The interrupted epoch: what was seen plus what the resumed loader yields is the whole
+    # epoch, each batch once; the resumed loader yields the remainder in sampler order.
+    whole = full[stopped]
+    if in_order:
+        assert seen[stopped] == whole[: len(seen[stopped])]
+    assert sorted(seen[stopped] + rest[0]) == sorted(whole)
+    assert rest[0] == [b for b in whole if b not in seen[stopped]]
+    assert rest[1:] == full[stopped + 1:]
+
+
+def loader_factory(dataset=None, **kwargs):
+    kwargs.setdefault("batch_size", BATCH)
+    return lambda: aioload.DataLoader(dataset if dataset is not None else Augmented(N), **kwargs)
+
+
+POINTS = [
+    pytest.param(1, False, id="first-batch"),
+    pytest.param(4, False, id="middle"),
+    pytest.param(PER_EPOCH, False, id="last-batch"),
+    pytest.param(PER_EPOCH, True, id="between-epochs"),
+    pytest.param(PER_EPOCH + 3, False, id="second-epoch"),
+]
+
+
+@pytest.mark.parametrize("k, between", POINTS)
+def test_seeded_resume_into_other_worker_counts(k, between):
+    saved = loader_factory(shuffle=True, seed=3, num_workers=2, io_concurrency=1)
+    restored = loader_factory(shuffle=True, seed=3, num_workers=0)
+    check_save_load(saved, restored, k, between)
+    check_save_load(restored, loader_factory(shuffle=True, seed=3, num_workers=3), k, between)
+
+
+@pytest.mark.parametrize("k, between", [POINTS[1], POINTS[3]])
+def test_user_generator_resume(k, between):
+    def make(workers):
+        return lambda: aioload.DataLoader(Augmented(N), batch_size=BATCH, shuffle=True, num_workers=workers,
+                                          generator=torch.Generator().manual_seed(9))
+
+    check_save_load(make(2), make(0), k, between, key=indices)
+
+
+@pytest.mark.parametrize("k, between", [POINTS[1], POINTS[3], POINTS[4]])
+def test_persistent_workers_resume(k, between):
+    # Without seed=, persistent workers draw one base seed for the loader's life.
+    def make(workers):
+        return lambda: aioload.DataLoader(Augmented(N), batch_size=BATCH, shuffle=True, num_workers=workers,
+                                          persistent_workers=True, generator=torch.Generator().manual_seed(9))
+
+    check_save_load(make(1), make(2), k, between, key=indices)
+
+
+@pytest.mark.parametrize("k, between", [POINTS[1], POINTS[4]])
+def test_global_rng_resume(k, between):
+    saved = loader_factory(shuffle=True, num_workers=1)
+    # (num_workers=0 would decode on the global RNG too, moving the next epoch's order.)
+    check_save_load(saved, loader_factory(shuffle=True, num_workers=3, io_concurrency=1), k, between, key=indices)
+
+
+def test_weighted_sampler_on_the_global_rng():
+    def make():
+        weights = torch.linspace(0.1, 1.0, N)
+        sampler = torch.utils.data.WeightedRandomSampler(weights, N, replacement=True)
+        return aioload.DataLoader(Augmented(N), batch_size=BATCH, sampler=sampler, seed=1)
+
+    check_save_load(make, make, 5)
+
+
+def test_distributed_sampler_given_by_the_user():
+    def make():
+        ds = Augmented(N)
+        sampler = torch.utils.data.distributed.DistributedSampler(ds, num_replicas=2, rank=1, seed=4)
+        return aioload.DataLoader(ds, batch_size=BATCH, sampler=sampler, seed=1, num_workers=1)
+
+    full = uninterrupted(make)
+    assert full[0] != full[1]  # set_epoch reached the sampler
+    check_save_load(make, make, 2)
+    check_save_load(make, make, 5)
+
+
+def test_unordered_delivery_resumes_without_loss_or_duplicates():
+    saved = loader_factory(shuffle=True, seed=6, num_workers=3, in_order=False)
+    check_save_load(saved, loader_factory(shuffle=True, seed=6, num_workers=1), 5, in_order=False)
+
+
+def test_batches_in_flight_at_save_time_are_neither_lost_nor_duplicated(tmp_path):
+    gate = str(tmp_path / "gate")
+    open(gate, "w").close()
+    kwargs = dict(batch_size=2, seed=1, num_workers=2, in_order=False)
+    with aioload.DataLoader(Gated(16, gate, gated=4), **kwargs) as loader:
+        assert len([b for b in loader]) == 8  # epoch 0 runs freely
+        os.remove(gate)
+        got = []
+        iterator = iter(loader)
+        while len(got) < 5:  # batch 2 cannot finish: its sample 4 waits for the gate
+            got.append(next(iterator)[1].tolist())
+        state = roundtrip(loader.state_dict())
+        open(gate, "w").close()
+    assert [4, 5] not in got
+    assert state["epoch"] == 1 and state["progress"]["delivered"]["below"] == 2
+    assert len(state["progress"]["delivered"]["also"]) == 3  # delivered after the gated batch
+    with aioload.DataLoader(Gated(16, gate, gated=4), **dict(kwargs, in_order=True, num_workers=0)) as loader:
+        loader.load_state_dict(state)
+        rest = [b[1].tolist() for b in loader]
+    assert rest[0] == [4, 5]
+    assert sorted(got + rest) == [[i, i + 1] for i in range(0, 16, 2)]
+
+
+def test_sampler_that_cannot_be_replayed_is_saved_as_its_remaining_indices():
+    sampler = Shuffled(N)  # an unseeded private RNG: a new order every run
+    with aioload.DataLoader(Augmented(N), batch_size=BATCH, sampler=sampler, num_workers=2, seed=2) as loader:
+        iterator = iter(loader)
+        seen = [next(iterator)[1].tolist() for _ in range(3)]
+        state = roundtrip(loader.state_dict())
+    order = sampler.history[0]
+    expected = [order[i : i + BATCH] for i in range(0, N, BATCH)]
+    assert seen == expected[:3]
+    assert state["progress"]["batches"] is not None
+    with aioload.DataLoader(Augmented(N), batch_size=BATCH, sampler=Shuffled(N), num_workers=0, seed=2) as loader:
+        loader.load_state_dict(state)
+        assert [b[1].tolist() for b in loader] == expected[3:]
+        # ...and a second save inside the resumed epoch still knows what is left.
+        loader.load_state_dict(state)
+        iterator = iter(loader)
+        assert next(iterator)[1].tolist() == expected[3]
+        again = roundtrip(loader.state_dict())
+    with aioload.DataLoader(Augmented(N), batch_size=BATCH, sampler=Shuffled(N), num_workers=1, seed=2) as loader:
+        loader.load_state_dict(again)
+        assert [b[1].tolist() for b in loader] == expected[4:]
+        assert sorted(i for b in loader for i in b[1].tolist()) == list(range(N))  # the next epoch
+
+
+def test_save_twice_in_one_resumed_epoch():
+    make = loader_factory(shuffle=True, seed=5, num_workers=1)
+    full = uninterrupted(make)
+    _, _, state, _ = interrupted(make, 2)
+    with make() as loader:
+        loader.load_state_dict(state)
+        iterator = iter(loader)
+        assert [key(next(iterator)) for _ in range(3)] == full[0][2:5]
+        state = roundtrip(loader.state_dict())
+    with make() as loader:
+        loader.load_state_dict(state)
+        assert [key(b) for b in loader] == full[0][5:]
+
+
+def test_state_before_iterating_and_after_loading():
+    make = loader_factory(shuffle=True, seed=5)
+    full = uninterrupted(make)
+    with make() as loader:
+        fresh = roundtrip(loader.state_dict())
+    assert fresh["progress"] is None and fresh["epoch"] == 0
+    _, _, state, _ = interrupted(make, 3)
+    with make() as loader:
+        loader.load_state_dict(state)
+        assert loader.state_dict() == state  # nothing happened since
+        loader.load_state_dict(fresh)
+        assert [key(b) for b in loader] == full[0]
+
+
+def test_set_epoch_to_another_epoch_drops_the_loaded_state():
+    make = loader_factory(shuffle=True, seed=5)
+    full = uninterrupted(make)
+    _, _, state, _ = interrupted(make, 3)
+    with make() as loader:
+        loader.load_state_dict(state)
+        loader.set_epoch(0)  # the same epoch: the state still applies
+        assert [key(b) for b in loader] == full[0][3:]
+        loader.load_state_dict(state)
+        loader.set_epoch(1)
+        assert [key(b) for b in loader] == full[1]
+
+
+def test_a_state_from_another_configuration_is_refused():
+    _, _, state, _ = interrupted(loader_factory(shuffle=True, seed=5), 3)
+    with aioload.DataLoader(Augmented(N), batch_size=4, shuffle=True, seed=5) as loader:
+        with pytest.raises(ValueError, match=r"^this state was saved by a loader with batch_size=3, but this "
+                                             r"loader has batch_size=4: exact resume needs the same dataset"):
+            loader.load_state_dict(state)
+    with aioload.DataLoader(Augmented(N), batch_size=3, shuffle=True, seed=6) as loader:
+        with pytest.raises(ValueError, match=r"^this state was saved by a loader with seed=5, but this loader has seed=6"):
+            loader.load_state_dict(state)
+    with aioload.DataLoader(Augmented(N), batch_size=3) as loader:
+        with pytest.raises(ValueError, match=r"^not an aioload.DataLoader state of version 1"):
+            loader.load_state_dict({"epoch": 1})
+
+
+def test_iterable_dataset_resumes_between_epochs_only():
+    with aioload.DataLoader(Stream(10), batch_size=3, num_workers=1) as loader:
+        assert [b.tolist() for b in loader][0] == [0, 1, 2]
+        between = roundtrip(loader.state_dict())
+        iterator = iter(loader)
+        next(iterator)
+        with pytest.raises(ValueError, match=r"^exact resume of an IterableDataset in the middle of an epoch is "
+                                             r"impossible"):
+            loader.state_dict()
+    assert between["epoch"] == 1 and between["progress"] is None
+    with aioload.DataLoader(Stream(10), batch_size=3) as loader:
+        loader.load_state_dict(between)
+        assert len([b for b in loader]) == 4
+
+
+def test_async_iteration_resumes_too():
+    import anyio
+
+    make = loader_factory(shuffle=True, seed=7, num_workers=1)
+    full = uninterrupted(make)
+
+    async def main():
+        with make() as loader:
+            got = []
+            async for batch in loader:
+                got.append(key(batch))
+                if len(got) == 4:
+                    break
+            return got, roundtrip(loader.state_dict())
+
+    got, state = anyio.run(main)
+    assert got == full[0][:4]
+    with make() as loader:
+        loader.load_state_dict(state)
+        assert [key(b) for b in loader] == full[0][4:]
+
+
+def test_state_is_small_with_replayable_samplers():
+    make = loader_factory(shuffle=True, seed=3, num_workers=1)
+    _, _, state, _ = interrupted(make, 4)
+    assert state["progress"]["batches"] is None
+    assert len(json.dumps(state)) < 2000

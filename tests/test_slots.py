@@ -1,0 +1,141 @@
+"""The shared-memory slot lifecycle: reuse, retained batches, variable shapes, cleanup."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+import aioload
+from tests.conftest import child_pids
+from tests.datasets import Mixed, Squares, Varying, pad_collate
+
+
+def memfds() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:aioload"):
+            out.append(target)
+    return out
+
+
+def test_slots_are_reused_across_epochs_and_bounded():
+    with aioload.DataLoader(Squares(200), batch_size=8, num_workers=2) as loader:
+        for _ in range(4):
+            for batch in loader:
+                del batch
+        slots = loader._res.shared.slots
+        assert slots is not None, "a fixed-shape dataset must use shared-memory slots"
+        created = next(slots._ids)
+        # 25 batches per epoch, 4 epochs: slots are recycled, not made per batch
+        assert created <= slots.target + 2, f"{created} slots made for 100 batches"
+        assert slots.live <= slots.target
+
+
+def _mapping_of(address: int) -> str:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split()
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return line
+    return ""
+
+
+def test_batches_view_the_slot_without_copy():
+    with aioload.DataLoader(Squares(64), batch_size=8, num_workers=1) as loader:
+        batches = list(loader)
+        assert loader._res.shared.slots is not None
+        # every batch but the first (which taught the layout) lives in a memfd slot mapping
+        for images, _, _ in batches[1:]:
+            assert "memfd:aioload" in _mapping_of(images.data_ptr())
+        del batches, images
+
+
+def test_retained_batches_are_never_overwritten():
+    # list() keeps every batch: slots cannot be recycled under the consumer's feet.
+    dataset = Squares(120)
+    with aioload.DataLoader(dataset, batch_size=4, num_workers=2, queue_depth=1) as loader:
+        first = list(loader)
+        second = list(loader)
+    for batches in (first, second):
+        for b, (images, labels, names) in enumerate(batches):
+            expected = torch.arange(b * 4, b * 4 + 4, dtype=torch.float32)
+            assert torch.equal(images[:, 0, 0], expected)
+            assert labels.tolist() == expected.long().tolist()
+            assert list(names) == [f"s{i}" for i in labels.tolist()]
+
+
+def test_every_collatable_kind_matches_default_collate():
+    dataset = Mixed()
+    reference = list(torch.utils.data.DataLoader(dataset, batch_size=6))
+    with aioload.DataLoader(dataset, batch_size=6, num_workers=2) as loader:
+        for _ in range(2):  # the second epoch runs entirely through slots
+            got = list(loader)
+            assert len(got) == len(reference)
+            for ours, theirs in zip(got, reference):
+                assert ours.keys() == theirs.keys()
+                for key in ("image", "array", "label", "score"):
+                    assert ours[key].dtype == theirs[key].dtype
+                    assert torch.equal(ours[key], theirs[key])
+                assert ours["name"] == theirs["name"]
+                assert type(ours["pair"]) is type(theirs["pair"])
+                assert torch.equal(ours["pair"][0], theirs["pair"][0])
+                assert torch.equal(ours["pair"][1], theirs["pair"][1])
+
+
+def test_variable_shapes_fail_like_default_collate():
+    with pytest.raises(RuntimeError) as theirs:
+        next(iter(torch.utils.data.DataLoader(Varying(), batch_size=4)))
+    with aioload.DataLoader(Varying(), batch_size=4, num_workers=2) as loader:
+        with pytest.raises(RuntimeError) as ours:
+            next(iter(loader))
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_variable_shapes_with_custom_collate_go_through_the_overflow_area():
+    dataset = Varying()
+    reference = list(torch.utils.data.DataLoader(dataset, batch_size=4, collate_fn=pad_collate))
+    with aioload.DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=pad_collate) as loader:
+        for _ in range(3):
+            got = list(loader)
+            assert len(got) == len(reference)
+            for (padded, lengths), (ref_padded, ref_lengths) in zip(got, reference):
+                assert torch.equal(padded, ref_padded)
+                assert torch.equal(lengths, ref_lengths)
+        layout = loader._res.shared.slots.layout
+    assert layout.overflow > 0, "the overflow area grows to fit the batches that vary"
+
+
+def dev_shm_mapped_bytes() -> int:
+    """Bytes of /dev/shm files this process has mapped."""
+    total = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].startswith("/dev/shm/"):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                total += hi - lo
+    return total
+
+
+def test_close_releases_workers_and_shared_memory():
+    gc.collect()  # what earlier tests left to the garbage collector is not this test's business
+    before = len(memfds())
+    loader = aioload.DataLoader(Squares(64), batch_size=8, num_workers=2)
+    batches = list(loader)
+    assert memfds(), "slots are memfd mappings while the loader runs"
+    # batches (8 x 3 x 4 float32, in several slots) never go through /dev/shm; at most a
+    # page or two of bookkeeping does
+    assert dev_shm_mapped_bytes() <= 64 * 1024
+    loader.close()
+    del batches
+    assert not child_pids()
+    # freed by reference counting alone, without waiting for the garbage collector
+    assert len(memfds()) <= before
