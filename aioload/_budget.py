@@ -17,7 +17,7 @@ from typing import Callable
 
 from torch.utils.data import BatchSampler
 
-from aioload._errors import TooManyErrorsError
+from aioload._errors import TooManyErrorsError, forget_locals
 
 logger = logging.getLogger("aioload")
 
@@ -90,10 +90,13 @@ class ErrorBudget:
             self.count += len(indices)
             count = self.count
             self._record(indices)
+        # A log handler may keep the record (and so the error) for long: the loader's frames
+        # in its traceback must not keep batches or slots alive with it.
+        forget_locals(exc)
         where = getattr(exc, "__notes__", None) or [""]
         logger.warning("on_error='skip': skipped dataset %s %s: %s: %s %s",
                        "index" if len(indices) == 1 else "indices",
-                       indices[0] if len(indices) == 1 else indices, type(exc).__name__, exc, where[0])
+                       indices[0] if len(indices) == 1 else indices, type(exc).__name__, str(exc), where[0])
         logger.debug("the skipped sample's error", exc_info=exc)
         if self.limit is not None and count > self.limit:
             raise TooManyErrorsError(self._too_many(count)) from exc

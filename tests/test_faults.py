@@ -255,7 +255,7 @@ HANGS = [
 @pytest.mark.parametrize("fault, dataset, context, stage", HANGS)
 def test_timeout_names_the_stuck_index_and_stage(make, before, fault, dataset, context, stage):
     ds = make({13: fault}, dataset)
-    with aioload.DataLoader(ds, batch_size=BATCH, num_workers=2, timeout=2, multiprocessing_context=context) as loader:
+    with aioload.DataLoader(ds, batch_size=BATCH, num_workers=2, timeout=3, multiprocessing_context=context) as loader:
         it = iter(loader)
         assert indices(next(it)) == list(range(8))
         with pytest.raises(aioload.DataLoaderTimeoutError) as info:
@@ -263,7 +263,7 @@ def test_timeout_names_the_stuck_index_and_stage(make, before, fault, dataset, c
     exc = info.value
     assert isinstance(exc, TimeoutError) and isinstance(exc, RuntimeError)
     assert re.fullmatch(
-        rf"DataLoader timed out after 2 seconds waiting for a batch: dataset index 13 {PATH} is stuck in "
+        rf"DataLoader timed out after 3 seconds waiting for a batch: dataset index 13 {PATH} is stuck in "
         rf"{stage}\. Set read_timeout= to bound each read, or raise timeout= if batches are just slow\.",
         str(exc),
     )
@@ -290,7 +290,7 @@ def test_timeout_while_workers_start(make, before):
 
 def test_timeout_in_async_iteration(make, before):
     async def main():
-        loader = aioload.DataLoader(make({9: "decode-hang"}), batch_size=BATCH, num_workers=2, timeout=2)
+        loader = aioload.DataLoader(make({9: "decode-hang"}), batch_size=BATCH, num_workers=2, timeout=3)
         async with loader:
             seen = []
             with pytest.raises(aioload.DataLoaderTimeoutError, match=r"dataset index 9 .* is stuck in decode"):
@@ -405,8 +405,9 @@ def test_skip_collate_fn_failure_skips_that_batch(make):
 def test_getitems_failure_names_and_skips_its_whole_chunk(make, caplog):
     ds = make({13: "decode-error"}, FaultyBatchedDataset)
     with aioload.DataLoader(ds, batch_size=BATCH, num_workers=2, timeout=20) as loader:
-        with pytest.raises(ValueError, match="^decode failed on purpose for index 13$") as info:
+        with pytest.raises(ValueError) as info:
             collect(loader)
+    assert str(info.value) == "decode failed on purpose for index 13"
     note = note_matching(info.value, r"while running __getitems__ for dataset indices \[[\d, ]+\] in an aioload worker")
     chunk = [int(i) for i in re.search(r"\[([\d, ]+)\]", note).group(1).split(", ")]
     assert 13 in chunk and set(chunk) <= set(range(8, 16))
@@ -437,8 +438,9 @@ def test_max_errors_turns_too_many_skips_into_an_error(make, before, max_errors,
                 f"3 samples failed this epoch, more than {bound} allows; the last failure is chained "
                 "below. Fix or remove the failing samples, or raise max_errors."
             )
-            assert isinstance(info.value.__cause__, ValueError)  # index 26's, the third to fail
-            note_matching(info.value.__cause__, r"while running decode for dataset index 26 .*")
+            # the cause is the failure that went over the bound: whichever came third
+            assert isinstance(info.value.__cause__, (ValueError, FileNotFoundError))
+            note_matching(info.value.__cause__, r"while (reading|running decode for) dataset index (5|17|26) .*")
     del info  # its traceback holds collect()'s frame, and so the last batch it received
     assert_released(before)
 
