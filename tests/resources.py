@@ -41,10 +41,16 @@ def gone(pid: int) -> bool:
 
 
 def children(pid: int | None = None) -> set[int]:
-    """Live (non-zombie) child processes of ``pid``, leaving out multiprocessing's forkserver,
-    which belongs to the interpreter rather than to a loader."""
+    """Live (non-zombie) child processes of ``pid``, leaving out multiprocessing's forkserver
+    and resource tracker, which belong to the interpreter rather than to a loader (earlier
+    tests that used spawn or forkserver start them once per test session)."""
+    import multiprocessing.resource_tracker
+
     parent = os.getpid() if pid is None else pid
-    server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    helpers = {
+        getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+        getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None),
+    }
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -54,7 +60,7 @@ def children(pid: int | None = None) -> set[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if int(fields[1]) == parent and fields[0] not in ("Z", "X") and int(entry) != server:
+        if int(fields[1]) == parent and fields[0] not in ("Z", "X") and int(entry) not in helpers:
             found.add(int(entry))
     return found
 
