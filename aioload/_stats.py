@@ -266,12 +266,7 @@ class StatsRecorder:
                 self._epoch_start = now - waited
                 self.epochs += 1
                 self._first_pending = True
-            if self._first_pending:
-                self.first_batch_s += now - self._epoch_start
-                self._first_pending = False
-            else:
-                self.wait_s += waited
-            self._epoch_last = now
+            self._account_wait(now, waited)
             self.batches += 1
             self.samples += samples
 
@@ -281,13 +276,17 @@ class StatsRecorder:
         with self._lock:
             if self._epoch_start is None:
                 return
-            if self._first_pending:
-                self.first_batch_s += now - self._epoch_start
-                self._first_pending = False
-            else:
-                self.wait_s += waited
-            self._epoch_last = now
+            self._account_wait(now, waited)
             self._close_epoch()
+
+    def _account_wait(self, now: float, waited: float) -> None:
+        """Charge ``waited`` to the epoch's start-up (first batch) or to waiting (with the lock)."""
+        if self._first_pending:
+            self.first_batch_s += now - self._epoch_start
+            self._first_pending = False
+        else:
+            self.wait_s += waited
+        self._epoch_last = now
 
     def _close_epoch(self) -> None:
         if self._epoch_start is not None:
