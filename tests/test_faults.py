@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import gc
 import logging
 import multiprocessing
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -587,10 +589,14 @@ def run_child(tmp_path, make, mode: str) -> tuple[subprocess.Popen, list[int]]:
     script.write_text(CHILD.format(root_dir=os.path.dirname(TESTS_DIR), root=str(tmp_path / "data")))
     proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-    line = proc.stdout.readline()
+    ready, _, _ = select.select([proc.stdout], [], [], 45)
+    line = proc.stdout.readline() if ready else ""
     if not line:
-        proc.wait(10)
-        pytest.fail(f"the child printed nothing; stderr:\n{proc.stderr.read()}")
+        # never leave the child's process group behind: later tests count processes
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=10)
+        pytest.fail(f"the child did not report its workers within 45 s; stderr:\n{err}")
     workers = [int(pid) for pid in line.split()]
     assert len(workers) == 2
     return proc, workers
