@@ -53,6 +53,10 @@ IO_GRACE = 1.0
 CHUNK_SECONDS = 0.1
 """Target decode time of one task: long enough to hide the hand-off, short enough to balance."""
 
+WHOLE_BATCH_SECONDS = 0.02
+"""A batch that decodes in less time than this goes to one worker whole: splitting it would cost
+more in hand-offs (a message each way and a join per chunk) than it saves in latency."""
+
 
 @dataclass
 class Spec:
@@ -120,6 +124,14 @@ class Shared:
 
 def new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+
+
+def _chunk_blob(payloads: list):
+    """A chunk-mode reply's skeleton (its first payload that is there), else ``None``."""
+    for payload in payloads:
+        if payload is not None:
+            return payload if payload.startswith(CHUNK_MAGIC) else None
+    return None
 
 
 class Engine:
@@ -353,7 +365,7 @@ class Engine:
             self._open.pop(seq, None)
         if item is SKIP:
             self._permits.release()  # nothing for the consumer to take
-        self.ready.put(seq, item)
+        self._put(seq, item)
 
     async def _learn_first(self, make, *args):
         """Until the first reply has shown the batch layout, one batch runs alone and the others
@@ -418,10 +430,11 @@ class Engine:
             ) from None
 
     async def _read_items(self, indices) -> list:
-        """``(index, raw)`` pairs, or ``(index, None)`` when the dataset has no read stage.
+        """``(index, raw)`` pairs; the indices themselves when the dataset has no read stage
+        (the worker pairs them with ``None``: a plain list pickles at a third of the cost).
         With ``on_error="skip"`` failed reads are left out and recorded."""
         if not self.spec.split:
-            return [(i, None) for i in indices]
+            return indices  # plain indices: the workers call __getitem__
         results = self._read_nowait(indices)
         waiting = [i for i, r in zip(indices, results) if r is NOT_READY]
         if waiting:
@@ -506,9 +519,11 @@ class Engine:
             return n
         size = max(1, math.ceil(n / self.spec.num_workers))
         per_sample = self.shared.per_sample_s
-        if per_sample:
-            size = min(size, max(1, int(CHUNK_SECONDS / per_sample)))
-        return size
+        if per_sample is None:
+            return size  # the first batches: split, so that the first one arrives fast
+        if per_sample * n <= WHOLE_BATCH_SECONDS:
+            return n
+        return min(size, max(1, int(CHUNK_SECONDS / per_sample)))
 
     def _errors(self, reply, offset: int = 0) -> list:
         return [(offset + pos, index, stage, packed) for pos, index, stage, packed in reply[3]]
@@ -564,7 +579,10 @@ class Engine:
         # gather, not a task group: a chunk already sent to a worker must finish before the
         # slot can be reused, even when a sibling chunk failed to read.
         try:
-            replies = await asyncio.gather(*(chunk(s) for s in starts), return_exceptions=True)
+            if len(starts) == 1:  # the whole batch in one task: no gather to pay for
+                replies = [await chunk(starts[0])]
+            else:
+                replies = await asyncio.gather(*(chunk(s) for s in starts), return_exceptions=True)
         except BaseException:
             if slot is not None:
                 self.shared.slots.release(slot)
@@ -597,13 +615,15 @@ class Engine:
             if reply is not probe:
                 self._note_reply(reply, self.spec.batch_size or len(indices))
                 self._note_mode(reply)
-            errors += self._errors(reply, start)
-            done = [p for p in reply[2] if p is not None]
-            if done and any(p.startswith(CHUNK_MAGIC) for p in done):
+            if reply[3]:
+                errors += self._errors(reply, start)
+            payloads = reply[2]
+            blob = _chunk_blob(payloads)
+            if blob is not None:
                 # chunk mode: the chunk's samples fill its rows from ``start``, in order
-                blob = next(p for p in done if p.startswith(CHUNK_MAGIC))
-                chunks.append((start, len(done), load_chunk(blob)))
-            rows += [(start + pos, p) for pos, p in enumerate(reply[2]) if p is not None]
+                chunks.append((start, len(payloads) - payloads.count(None), load_chunk(blob)))
+            else:
+                rows += [(start + pos, p) for pos, p in enumerate(payloads) if p is not None]
         if errors:
             try:
                 self._skip(errors)
@@ -612,7 +632,7 @@ class Engine:
                     self.shared.slots.release(slot)
                 raise
         if chunks:
-            if any(p and not p.startswith(CHUNK_MAGIC) for _, p in rows):
+            if rows:
                 if slot is not None:
                     self.shared.slots.release(slot)
                 raise TypeError("the samples of this batch differ in kind: some hold only tensors, numbers "
@@ -755,9 +775,12 @@ class Engine:
             item = self._assemble(slot, [(0, reply[2][0])], rows_mode=False, samples=0)
         except Exception as exc:  # noqa: BLE001
             item = Failure(exc)
-        self.ready.put(seq, item)
+        self._put(seq, item)
 
     # -- stage 4: hand-off ------------------------------------------------------------------
+    def _put(self, seq: int, item) -> None:
+        if self.ready.put(seq, item):
+            self._permits.release()  # handed to a waiting consumer, which owes no permit
     def _deliver(self, batch, samples: int) -> Ready:
         if self.transfer is None:
             return Ready(batch=batch, samples=samples)

@@ -482,20 +482,24 @@ class SlotView:
     def __init__(self, segment, layout: Layout, on_free: Callable[[], None]):
         hold = np.frombuffer(segment.map, dtype=np.uint8)
         self._hold = hold
-        self._base = torch.from_numpy(hold)
         self.layout = layout
         weakref.finalize(hold, on_free)
 
+    def _tensor(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        """A tensor over ``nbytes`` of the slot from ``offset``; it keeps the slot's array alive."""
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self._hold, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset).view(shape)
+
     def column(self, k: int, n: int) -> torch.Tensor:
         spec = self.layout.leaves[k]
-        off = self.layout.offsets[k]
-        return self._base[off : off + spec.nbytes * n].view(spec.torch_dtype).view((n, *spec.shape))
+        return self._tensor(self.layout.offsets[k], spec.nbytes * n, spec.torch_dtype, (n, *spec.shape))
 
     def rows(self, k: int, row0: int, n: int) -> torch.Tensor:
         """Rows ``row0 .. row0 + n`` of column ``k``."""
         spec = self.layout.leaves[k]
         off = self.layout.offsets[k] + row0 * spec.nbytes
-        return self._base[off : off + spec.nbytes * n].view(spec.torch_dtype).view((n, *spec.shape))
+        return self._tensor(off, spec.nbytes * n, spec.torch_dtype, (n, *spec.shape))
 
     def cell(self, k: int, row: int, as_numpy: bool):
         spec = self.layout.leaves[k]
@@ -503,15 +507,13 @@ class SlotView:
         return value.item() if spec.kind == "p" else value
 
     def region(self, offset: int, spec: LeafSpec, as_numpy: bool):
-        raw = self._base[offset : offset + spec.nbytes]
         if as_numpy and spec.kind == "n":
             return self._hold[offset : offset + spec.nbytes].view(np.dtype(spec.dtype)).reshape(spec.shape)
-        return raw.view(spec.torch_dtype).view(spec.shape)
+        return self._tensor(offset, spec.nbytes, spec.torch_dtype, spec.shape)
 
     def release(self) -> None:
         """Drop this object's own references; the finalizer fires once user tensors are gone."""
         self._hold = None
-        self._base = None
 
 
 class _LeafUnpickler(pickle.Unpickler):

@@ -518,7 +518,7 @@ class _Iterator:
         if started is None:
             started = time.perf_counter()
         try:
-            item = get() if get is not None else self._ready.get(timeout=self._timeout)
+            item, owed = get() if get is not None else self._ready.get(timeout=self._timeout)
         except _NotYet:
             raise
         except EndOfEpoch:
@@ -539,7 +539,8 @@ class _Iterator:
         except BaseException:
             self._end()
             raise
-        self._engine.give_permit()
+        if owed:
+            self._engine.give_permit()
         return item, time.perf_counter() - started
 
     def _finish(self, item, waited: float):
@@ -573,10 +574,10 @@ class _Iterator:
         return self
 
     def _ready_now(self):
-        found, item = self._ready.get_nowait()
+        found, item, owed = self._ready.get_nowait()
         if not found:
             raise _NotYet
-        return item
+        return item, owed
 
     async def _wait_async(self, started: float) -> None:
         """Sleep until the engine puts something in the ready queue, without a thread: the

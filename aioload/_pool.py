@@ -8,6 +8,7 @@ replies (length-prefixed pickles), the other carries shared-memory file descript
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 import multiprocessing as mp
@@ -166,9 +167,10 @@ class PoolSession:
         self._pending: list[_Request] = []
         self._has_pinned = False  # an IterableDataset pins tasks to workers
         self._inflight: list[dict[int, _Request]] = [dict() for _ in range(pool.num_workers)]
-        self._locks = [asyncio.Lock() for _ in range(pool.num_workers)]
         self._drops: list[list[int]] = [[] for _ in range(pool.num_workers)]
-        self._sends: set[asyncio.Task] = set()
+        # Per worker: bytes the socket would not take at once, sent in order by one task.
+        self._backlog: list[collections.deque] = [collections.deque() for _ in range(pool.num_workers)]
+        self._flushing: list[asyncio.Task | None] = [None] * pool.num_workers
         self._idle = asyncio.Event()
         self._idle.set()
         self._reported = asyncio.Event()  # a worker said it is ready, or the pool broke
@@ -178,12 +180,40 @@ class PoolSession:
             drops.append(slot_id)
 
     async def broadcast(self, message) -> None:
-        for wid, sock in enumerate(self.pool.socks):
+        data = _wire.encode(message)
+        for wid in range(self.pool.num_workers):
+            self._post(wid, data)
+
+    def _post(self, wid: int, data: bytes) -> None:
+        """Send ``data`` to worker ``wid`` now if its socket takes it whole, else queue it
+        behind what is waiting; messages reach each worker in the order posted. A dead
+        worker's socket fails quietly: its reader sees the end of stream and reports it."""
+        backlog = self._backlog[wid]
+        if not backlog:
             try:
-                async with self._locks[wid]:
-                    await _wire.send(sock, message)
+                sent = self.pool.socks[wid].send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
             except OSError:
-                pass  # a dead worker: its reader reports the crash
+                return
+            if sent == len(data):
+                return
+            data = data[sent:]
+        backlog.append(data)
+        if self._flushing[wid] is None:
+            self._flushing[wid] = asyncio.get_running_loop().create_task(self._flush(wid))
+
+    async def _flush(self, wid: int) -> None:
+        backlog = self._backlog[wid]
+        loop = asyncio.get_running_loop()
+        try:
+            while backlog:
+                await loop.sock_sendall(self.pool.socks[wid], backlog[0])
+                backlog.popleft()
+        except OSError:
+            backlog.clear()
+        finally:
+            self._flushing[wid] = None
 
     async def submit(self, kind: str, slot, payload, indices, priority, worker=None) -> tuple:
         """Queue one task; returns the worker's reply. Lower ``priority`` is served first;
@@ -247,16 +277,7 @@ class PoolSession:
         kind, task_id, slot, payload = request.message
         drops, self._drops[wid] = self._drops[wid], []
         self._inflight[wid][task_id] = request
-        send = asyncio.get_running_loop().create_task(self._send(wid, (kind, task_id, slot, payload, drops)))
-        self._sends.add(send)
-        send.add_done_callback(self._sends.discard)
-
-    async def _send(self, wid: int, message) -> None:
-        try:
-            async with self._locks[wid]:
-                await _wire.send(self.pool.socks[wid], message)
-        except OSError:
-            pass  # the reader sees the end of stream and reports the crash
+        self._post(wid, _wire.encode((kind, task_id, slot, payload, drops)))
 
     async def serve(self) -> None:
         """Read every worker's replies until cancelled; a dead worker breaks the pool."""
@@ -265,9 +286,9 @@ class PoolSession:
                 tg.create_task(self._read(wid))
 
     async def _read(self, wid: int) -> None:
-        sock = self.pool.socks[wid]
+        reader = _wire.Reader(self.pool.socks[wid])
         while True:
-            msg = await _wire.recv(sock)
+            msg = await reader.recv()
             if msg is None:
                 await self._crashed(wid)
                 return

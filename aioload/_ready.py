@@ -4,6 +4,10 @@ Batches finish out of order (workers run in parallel); this buffer gives them ba
 order (``in_order=True``) or as they finish. It never blocks the engine: the engine only starts
 a batch when it holds a permit, and the consumer returns a permit with every batch it takes, so
 at most ``permits`` batches exist between the sampler and the training loop.
+
+A batch put while the consumer is already waiting for it is handed over at once: the engine
+keeps that batch's permit (``put`` says so) and the consumer owes none, which saves waking the
+engine's thread once per batch whenever the loader, not the training step, is the bottleneck.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class ReadyQueue:
         self._total: int | None = None
         self._fatal: BaseException | None = None
         self._listeners: list = []
+        self._hungry = False  # a thread waits in get() with nothing to take
+        self._prepaid: set[int] = set()  # handed over: the engine kept their permits
         self.taken = 0
 
     def _notify(self) -> None:
@@ -89,10 +95,26 @@ class ReadyQueue:
             seq += 1
         return seq in self._items
 
-    def put(self, seq: int, item: object) -> None:
+    def put(self, seq: int, item: object) -> bool:
+        """Add ``item``; ``True`` when a waiting consumer takes it next, in which case the
+        caller keeps the batch's permit and the consumer is told it owes none."""
         with self._cond:
             self._items[seq] = item
+            handed = item is not SKIP and (self._hungry or bool(self._listeners)) and self._wanted(seq)
+            if handed:
+                self._hungry = False
+                self._prepaid.add(seq)
             self._notify()
+            return handed
+
+    def _wanted(self, seq: int) -> bool:
+        """Whether ``seq`` is the item the consumer takes next."""
+        if not self._in_order:
+            return True
+        nxt = self._next
+        while nxt in self.delivered:
+            nxt += 1
+        return seq == nxt
 
     def finish(self, total: int) -> None:
         """No sequence number at or beyond ``total`` will come."""
@@ -112,63 +134,76 @@ class ReadyQueue:
             return len(self._items)
 
     def _pop(self):
+        """``(found, item, owed)``: ``owed`` is whether taking it returns a permit."""
         delivered = self.delivered
         if self._in_order:
             while True:
                 while self._next in delivered:  # a resumed epoch's earlier batches
                     self._next += 1
-                if self._next not in self._items:
-                    return False, None
-                item = self._items.pop(self._next)
-                delivered.add(self._next)
+                seq = self._next
+                if seq not in self._items:
+                    return False, None, False
+                item = self._items.pop(seq)
+                delivered.add(seq)
                 if item is not SKIP:
-                    return True, item
+                    return True, item, self._owed(seq)
         while self._items:
             seq = min(self._items)
             item = self._items.pop(seq)
             delivered.add(seq)
             if item is not SKIP:
-                return True, item
-        return False, None
+                return True, item, self._owed(seq)
+        return False, None, False
+
+    def _owed(self, seq: int) -> bool:
+        if seq in self._prepaid:
+            self._prepaid.remove(seq)
+            return False
+        return True
 
     def _exhausted(self) -> bool:
         return self._total is not None and self.delivered.low >= self._total and not self._items
 
     def _try(self):
-        found, item = self._pop()
+        found, item, owed = self._pop()
         if found:
             self.taken += 1
-            return True, item
+            return True, item, owed
         if self._fatal is not None:
             raise self._fatal
         if self._exhausted():
             self.delivered.complete = True
             raise EndOfEpoch
-        return False, None
+        return False, None, False
 
     def get_nowait(self):
-        """``(True, item)``, or ``(False, None)`` when nothing is ready yet; raises like
+        """``(True, item, owed)``, or ``(False, None, False)`` when nothing is ready yet;
+        ``owed`` says whether the caller must return a permit for ``item``. Raises like
         :meth:`get`."""
         with self._cond:
             return self._try()
 
     def get(self, timeout: float | None = None, poll: float = 0.1):
-        """The next item; raises :class:`EndOfEpoch`, the engine's fatal error, or
-        ``TimeoutError`` after ``timeout`` seconds. Waits in short steps so that Ctrl-C
-        reaches the caller promptly."""
+        """``(item, owed)`` for the next item (see :meth:`get_nowait`); raises
+        :class:`EndOfEpoch`, the engine's fatal error, or ``TimeoutError`` after ``timeout``
+        seconds. Waits in short steps so that Ctrl-C reaches the caller promptly."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while True:
-                found, item = self._try()
-                if found:
-                    return item
-                wait = poll
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError
-                    wait = min(wait, left)
-                self._cond.wait(wait)
+            try:
+                while True:
+                    found, item, owed = self._try()
+                    if found:
+                        return item, owed
+                    wait = poll
+                    if deadline is not None:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise TimeoutError
+                        wait = min(wait, left)
+                    self._hungry = True
+                    self._cond.wait(wait)
+            finally:
+                self._hungry = False
 
     def drain(self) -> list:
         """Remove and return what is buffered (used when an epoch is abandoned)."""

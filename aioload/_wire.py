@@ -19,60 +19,83 @@ def encode(message: object) -> bytes:
     return _HEADER.pack(len(payload)) + payload
 
 
-def _recv_exact_blocking(sock: socket.socket, size: int) -> bytearray | None:
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            return None
-        got += n
-    return buf
-
-
-def recv_blocking(sock: socket.socket) -> object | None:
-    """Receive one message; ``None`` when the peer has gone away."""
-    try:
-        head = _recv_exact_blocking(sock, _HEADER.size)
-        if head is None:
-            return None
-        body = _recv_exact_blocking(sock, _HEADER.unpack(head)[0])
-    except (ConnectionResetError, BrokenPipeError, OSError):
-        return None
-    if body is None:
-        return None
-    return pickle.loads(body)
-
-
 def send_blocking(sock: socket.socket, message: object) -> None:
     sock.sendall(encode(message))
 
 
-async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int):
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = await loop.sock_recv_into(sock, view[got:])
-        if n == 0:
-            return None
-        got += n
-    return buf
+class Reader:
+    """Messages from one socket: :meth:`recv` on the running loop (a non-blocking socket),
+    :meth:`recv_blocking` in a worker. Reads whatever has arrived into one buffer and parses
+    every complete message in it: one system call per message at most, none for a message
+    that is already there, where reading header and body apart would cost two."""
+
+    def __init__(self, sock: socket.socket, size: int = 1 << 16):
+        self.sock = sock
+        self._buf = bytearray(size)
+        self._start = 0  # first unparsed byte
+        self._end = 0  # one past the last byte received
+
+    def _parse(self):
+        start, end = self._start, self._end
+        if end - start < _HEADER.size:
+            return _INCOMPLETE
+        size = _HEADER.unpack_from(self._buf, start)[0]
+        stop = start + _HEADER.size + size
+        if stop > end:
+            return _INCOMPLETE
+        message = pickle.loads(memoryview(self._buf)[start + _HEADER.size : stop])
+        self._start, self._end = (0, 0) if stop == end else (stop, end)
+        return message
+
+    def _room(self) -> None:
+        """Move the unparsed tail to the front, and grow for a message larger than the buffer.
+        A new buffer rather than a resize: the loop may still hold a view of the old one."""
+        start, end = self._start, self._end
+        need = len(self._buf)
+        if end - start >= _HEADER.size:
+            need = max(need, _HEADER.size + _HEADER.unpack_from(self._buf, start)[0])
+        if need > len(self._buf):
+            buf = bytearray(max(need, 2 * len(self._buf)))
+            buf[: end - start] = self._buf[start:end]
+            self._buf = buf
+        elif start:
+            self._buf[: end - start] = self._buf[start:end]
+        self._start, self._end = 0, end - start
+
+    def _space(self) -> memoryview:
+        """Where the next bytes go (after making room when the buffer is full)."""
+        if self._start or self._end == len(self._buf):
+            self._room()
+        return memoryview(self._buf)[self._end :]
+
+    async def recv(self) -> object | None:
+        """The next message; ``None`` at end of stream."""
+        while True:
+            message = self._parse()
+            if message is not _INCOMPLETE:
+                return message
+            loop = asyncio.get_running_loop()
+            try:
+                n = await loop.sock_recv_into(self.sock, self._space())
+            except (ConnectionResetError, BrokenPipeError):
+                return None
+            if n == 0:
+                return None
+            self._end += n
+
+    def recv_blocking(self) -> object | None:
+        """The next message; ``None`` when the peer has gone away."""
+        while True:
+            message = self._parse()
+            if message is not _INCOMPLETE:
+                return message
+            try:
+                n = self.sock.recv_into(self._space())
+            except OSError:
+                return None
+            if n == 0:
+                return None
+            self._end += n
 
 
-async def recv(sock: socket.socket) -> object | None:
-    """Receive one message on the running loop; ``None`` at end of stream."""
-    loop = asyncio.get_running_loop()
-    try:
-        head = await _recv_exact(loop, sock, _HEADER.size)
-        if head is None:
-            return None
-        body = await _recv_exact(loop, sock, _HEADER.unpack(head)[0])
-    except (ConnectionResetError, BrokenPipeError):
-        return None
-    return None if body is None else pickle.loads(body)
-
-
-async def send(sock: socket.socket, message: object) -> None:
-    await asyncio.get_running_loop().sock_sendall(sock, encode(message))
+_INCOMPLETE = object()

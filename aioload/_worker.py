@@ -6,6 +6,7 @@ loader stops it or its socket closes (the parent went away): a worker never outl
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import struct
@@ -73,6 +74,7 @@ class _Worker:
         self.task = -1
         self.cfg = cfg
         self.sock = sock
+        self.reader = _wire.Reader(sock)
         self.ctrl = ctrl
         self.segments: dict[int, Segment] = {}
         self.layouts: dict[int, tuple] = {}  # slot id -> (description, Layout, column views)
@@ -148,6 +150,10 @@ class _Worker:
         if self.cfg.split:
             return ds.decode(raw)
         return ds[index]
+
+    def pairs(self, items) -> list:
+        """A task's ``(index, raw)`` pairs; a dataset without a read stage is sent bare indices."""
+        return items if self.cfg.split else list(zip(items, itertools.repeat(None)))
 
     def stage(self) -> str:
         return "decode" if self.cfg.split else "__getitem__"
@@ -285,7 +291,7 @@ class _Worker:
 
     def serve(self) -> None:
         while True:
-            msg = _wire.recv_blocking(self.sock)
+            msg = self.reader.recv_blocking()
             if msg is None or msg[0] == "stop":
                 return
             kind = msg[0]
@@ -301,6 +307,7 @@ class _Worker:
             cpu = time.process_time()
             if kind == "rows":
                 items, row0, *chunked = payload
+                items = self.pairs(items)
                 chunked = chunked[0] if chunked else False
                 reply = None
                 if chunked is not False:
@@ -309,6 +316,7 @@ class _Worker:
                     reply = self.run_rows(task_id, slot, items, row0)
             elif kind == "whole":
                 items, skip_errors = payload
+                items = self.pairs(items)
                 reply = self.run_whole(task_id, slot, items, skip_errors)
             elif kind == "iter":
                 reply = self.run_iter(task_id, slot)
