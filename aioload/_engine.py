@@ -187,6 +187,9 @@ class Engine:
             thread.join(timeout)
         # Batches made and never taken hold slot memory: let it go now, not when the
         # iterator is collected (an exception's traceback can keep that alive for long).
+        # A consumer that asks again is told the epoch was stopped, even when the engine
+        # had already made every batch (it must not wait for batches that were let go).
+        self.ready.fail(_Cancelled())
         self.ready.drain()
 
     @property

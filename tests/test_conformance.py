@@ -18,6 +18,7 @@ import dataclasses
 import multiprocessing
 import random
 import re
+import time
 import warnings
 from typing import Any, Callable
 
@@ -675,6 +676,21 @@ def test_a_second_iter_ends_the_running_epoch():
         with pytest.raises(aioload.LoaderClosedError, match=r"^this epoch ended because iter\(\) was called on "
                            r"the same DataLoader again: an aioload.DataLoader runs one epoch at a time; "
                            r"use two loaders to walk two epochs side by side$"):
+            next(first)
+
+
+def test_a_superseded_epoch_whose_batches_were_all_made_does_not_hang():
+    """The first epoch's engine has made every batch before the second iter() lets them go:
+    asking the first iterator again must raise, not wait for batches that are gone."""
+    with aioload.DataLoader(Samples("int", n=6), batch_size=2, num_workers=1) as loader:
+        first = iter(loader)
+        next(first)
+        deadline = time.monotonic() + 30
+        while len(first._ready) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(first._ready) == 2  # batches 1 and 2 are made and waiting
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]
+        with pytest.raises(aioload.LoaderClosedError, match=r"^this epoch ended because iter\(\) was called"):
             next(first)
 
 
