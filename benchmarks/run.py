@@ -128,12 +128,12 @@ def main() -> int:
     parser.add_argument("--suite", choices=sorted(SUITES), action="append")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--images", type=int, default=1024)
+    parser.add_argument("--images", type=int, default=2048)
     parser.add_argument("--rows", type=int, default=65536)
-    parser.add_argument("--quick", action="store_true", help="1 round, fewer rows")
+    parser.add_argument("--quick", action="store_true", help="1 round, fewer rows and images")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.rows = 1, 16384
+        args.rounds, args.rows, args.images = 1, 16384, min(args.images, 512)
     print(f"# aioload benchmarks\n\nrun: {environment()}\ncommand: python benchmarks/run.py "
           f"{' '.join(sys.argv[1:])}".rstrip())
     for name in args.suite or list(SUITES):
