@@ -1,0 +1,75 @@
+"""The warnings torch's DataLoader gives (too many workers, pinning that cannot happen, an
+IterableDataset longer than its reported length), worded as the installed torch words them."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from aioload import _device
+
+if TYPE_CHECKING:
+    from aioload._loader import DataLoader
+
+
+def _len_called(loader: DataLoader) -> int | None:
+    """What ``len(loader)`` reported for an IterableDataset before this epoch began (torch
+    compares each epoch against the length known when its iterator was made)."""
+    return getattr(loader._torch, "_IterableDataset_len_called", None) if loader._iterable else None
+
+
+@functools.cache
+def _torch_source(method: str) -> str:
+    """The source of a method of torch's DataLoader iterator, where some warnings' wording
+    differs between torch releases ("" when the source is not installed)."""
+    try:
+        return inspect.getsource(getattr(torch.utils.data.dataloader._BaseDataLoaderIter, method))
+    except (AttributeError, OSError, TypeError):
+        return ""
+
+
+def _length_gap() -> str:
+    """torch's length warning joins the length and "(when accessing" with a space in some
+    releases and without one in others: use the installed torch's text."""
+    joined = re.search(r'\}\(when accessing|\}"\s*f?"\(when accessing', _torch_source("__next__"))
+    return "" if joined else " "
+
+
+def _warn_as_torch_iterator(loader: DataLoader) -> None:
+    """The warnings torch's DataLoader gives each time it makes an iterator (once in all with
+    persistent workers, which reuse theirs): too many workers for the CPUs, and pinning that
+    cannot happen."""
+    if loader._iterated and loader.persistent_workers:
+        return
+    loader._iterated = True
+    if loader.num_workers > 0:
+        loader._torch.check_worker_number_rationality()
+    if not loader.pin_memory:
+        return
+    device = loader.pin_memory_device
+    if device and "pin_memory_device is deprecated" in _torch_source("__init__"):
+        warnings.warn(
+            "pin_memory_device is deprecated, the current accelerator will be used as the device,"
+            f"ignore pin_memory_device='{device}'.",
+            stacklevel=3,
+        )
+    if not _device.pin_available():
+        warnings.warn(_device.PIN_WARNING, stacklevel=3)
+
+
+def _warn_iterable_length(loader: DataLoader, yielded: int, called: int | None) -> None:
+    if called is not None and yielded > called:
+        warnings.warn(
+            f"Length of IterableDataset {loader.dataset} was reported to be {called}{_length_gap()}"
+            f"(when accessing len(dataloader)), but {yielded} samples have been fetched. "
+            + ("For multiprocessing data-loading, this could be caused by not properly configuring the "
+               "IterableDataset replica at each worker. Please see "
+               "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples."
+               if loader.num_workers > 0 else ""),
+            stacklevel=3,
+        )
