@@ -165,28 +165,39 @@ def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: 
     return Run(name, images, seconds, first or 0.0, cpu, peak_mem, peak_shm, stats)
 
 
-def _ceiling_worker(paths, transform, queue) -> None:
+def _timed(work: Callable, share, queue) -> None:
     torch.set_num_threads(1)
     started = time.perf_counter()
-    for path in paths:
-        with open(path, "rb") as f:
-            image = decode_image(f.read())
-        if transform is not None:
-            transform(image)
+    work(share)
     queue.put(time.perf_counter() - started)
 
 
-def ceiling(paths: list[str], transform, workers: int) -> float:
-    """img/s of the same read+decode+transform in a tight loop, one process per worker."""
+def ceiling_of(work: Callable, shares: list, items: int) -> float:
+    """Items per second when ``work(share)`` runs for every share at once, one process each
+    (forked: ``work`` need not be picklable), with no loader: the bound a loader approaches."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_ceiling_worker, args=(paths[w::workers], transform, queue)) for w in range(workers)]
+    procs = [ctx.Process(target=_timed, args=(work, share, queue)) for share in shares]
     for p in procs:
         p.start()
     longest = max(queue.get(timeout=600) for _ in procs)
     for p in procs:
         p.join()
-    return len(paths) / longest
+    return items / longest
+
+
+def _decode_files(share) -> None:
+    paths, transform = share
+    for path in paths:
+        with open(path, "rb") as f:
+            image = decode_image(f.read())
+        if transform is not None:
+            transform(image)
+
+
+def ceiling(paths: list[str], transform, workers: int) -> float:
+    """img/s of the same read+decode+transform in a tight loop, one process per worker."""
+    return ceiling_of(_decode_files, [(paths[w::workers], transform) for w in range(workers)], len(paths))
 
 
 def median(values: Iterable[float]) -> float:
@@ -202,16 +213,23 @@ class Comparison:
     limit: int | None = None
     runs: dict[str, list[Run]] = field(default_factory=dict)
 
-    def run(self, rounds: int, progress: Callable[[str], None] | None = None) -> None:
+    def run(self, rounds: int, progress: Callable[[str], None] | None = None,
+            each_round: Callable[[], float] | None = None) -> list[float]:
+        """Run the rounds; ``each_round`` (the ceiling, say) is measured once per round between
+        the loaders, so that it sees the same machine they do. Returns its values."""
         names = list(self.factories)
+        extra = []
         for r in range(rounds):
             order = names if r % 2 == 0 else names[::-1]
-            for name in order:
+            for i, name in enumerate(order):
+                if each_round is not None and i == len(order) // 2:
+                    extra.append(each_round())
                 result = measure(name, self.factories[name], self.limit)
                 self.runs.setdefault(name, []).append(result)
                 if progress:
                     progress(f"round {r + 1}/{rounds} {name:<28} {result.rate:8.1f} img/s  "
                              f"first batch {result.first_batch_s:6.2f} s")
+        return extra
 
     def med(self, name: str, attr: str) -> float:
         return median(getattr(run, attr) for run in self.runs[name])

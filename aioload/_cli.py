@@ -23,7 +23,7 @@ def _stats_text(stats) -> str:
 
 def bench(args: argparse.Namespace) -> int:
     from aioload import DataLoader
-    from aioload._bench import BenchImages, Comparison, ceiling, environment, rrc_flip
+    from aioload._bench import BenchImages, Comparison, ceiling, environment, median, rrc_flip
     from aioload._synth import make_image_folder
 
     if args.data is None:
@@ -49,12 +49,15 @@ def bench(args: argparse.Namespace) -> int:
 
     print(f"aioload bench: {n} images in {root}, batch {args.batch_size}, {w} workers, "
           f"io_concurrency {args.io_concurrency}, queue_depth {args.queue_depth}, "
-          f"simulated latency {args.latency_ms:g} ms, {args.epochs} interleaved rounds", flush=True)
+          f"simulated latency {args.latency_ms:g} ms, {args.rounds} interleaved rounds", flush=True)
     comparison = Comparison({"torch DataLoader": torch_loader, "aioload DataLoader": aioload_loader})
-    comparison.run(args.epochs, _progress)
-    _progress("measuring the ceiling: decode + transform in a tight loop, one process per worker")
     paths = [dataset.path(i) for i in range(n)]
-    ceil = ceiling(paths, transform, w) if args.latency_ms == 0 else None
+    ceil = None
+    if args.latency_ms == 0:  # the ceiling (decode + transform in a tight loop, one process per
+        # worker) is measured in every round, between the two loaders
+        ceil = median(comparison.run(args.rounds, _progress, each_round=lambda: ceiling(paths, transform, w)))
+    else:
+        comparison.run(args.rounds, _progress)
 
     t_rate, a_rate = comparison.med("torch DataLoader", "rate"), comparison.med("aioload DataLoader", "rate")
     rows = [
@@ -98,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--queue-depth", type=int, default=4)
     b.add_argument("--latency-ms", type=float, default=0.0,
                    help="simulated storage round trip added to every read, for both loaders")
-    b.add_argument("--epochs", type=int, default=3, help="interleaved rounds (one epoch each per loader)")
+    b.add_argument("--rounds", "--epochs", dest="rounds", type=int, default=3,
+                   help="interleaved rounds: each runs one epoch of each loader (--epochs is an older name)")
     args = parser.parse_args(argv)
-    for name in ("workers", "batch_size", "io_concurrency", "queue_depth", "epochs", "images"):
+    for name in ("workers", "batch_size", "io_concurrency", "queue_depth", "rounds", "images"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.latency_ms < 0:

@@ -10,7 +10,9 @@ to first batch):
 
 * ``imagenet``: ImageNet-like JPEGs, RandomResizedCrop(224) + flip, batch 64; plus the ceiling
   (the same read + decode + transform in a tight loop, one process per worker, no loader).
-* ``tiny``: a plain map-style Dataset of 128-token rows, batch 256: per-batch overhead.
+* ``tiny``: a plain map-style Dataset of 128-token rows, batch 256: per-batch overhead; plus
+  its ceiling (the same ``__getitem__`` + ``default_collate`` in a tight loop, one process per
+  worker, no loader).
 * ``classic``: the tutorial recipe (torchvision ImageFolder + PIL + Resize(256) +
   CenterCrop(224) + ToTensor + Normalize) on torch's DataLoader, against aioload.ImageFolder +
   the same geometry with ``transforms.v2`` on uint8 (normalisation belongs on the GPU with
@@ -29,7 +31,7 @@ import sys
 import torch
 
 import aioload
-from aioload._bench import BenchImages, Comparison, ceiling, environment, rrc_flip
+from aioload._bench import BenchImages, Comparison, ceiling, ceiling_of, environment, median, rrc_flip
 from aioload._synth import make_image_folder
 
 
@@ -73,10 +75,9 @@ def imagenet(args) -> None:
         "torch DataLoader": lambda: torch.utils.data.DataLoader(dataset, **common),
         "aioload DataLoader": lambda: aioload.DataLoader(dataset, **common),
     })
-    comparison.run(args.rounds, _progress)
     paths = [dataset.path(i) for i in range(len(dataset))]
-    ceilings = [ceiling(paths, dataset.transform, args.workers) for _ in range(args.rounds)]
-    ceil = sorted(ceilings)[len(ceilings) // 2]
+    ceil = median(comparison.run(args.rounds, _progress,
+                                 each_round=lambda: ceiling(paths, dataset.transform, args.workers)))
     a = comparison.med("aioload DataLoader", "rate")
     t = comparison.med("torch DataLoader", "rate")
     table(f"ImageNet-like JPEGs, RandomResizedCrop(224) + flip, batch 64, {args.workers} workers, "
@@ -95,9 +96,23 @@ def tiny(args) -> None:
         f"aioload DataLoader, {args.workers} workers": lambda: aioload.DataLoader(
             dataset, num_workers=args.workers, **common),
     })
-    comparison.run(args.rounds, _progress)
+    # the ceiling: the same __getitem__ + default_collate in a tight loop, one process per worker
+    order = torch.randperm(len(dataset)).tolist()
+    batches = [order[i : i + 256] for i in range(0, len(order) - 255, 256)]
+    ceil = median(comparison.run(args.rounds, _progress, each_round=lambda: ceiling_of(
+        _collate_rows, [(dataset, batches[w :: args.workers]) for w in range(args.workers)], 256 * len(batches))))
+    a = comparison.med(f"aioload DataLoader, {args.workers} workers", "rate")
+    t = comparison.med(f"torch DataLoader, {args.workers} workers", "rate")
     table(f"Tiny samples: 128-token rows, batch 256, {len(dataset)} rows (rates are rows/s)",
-          comparison, f"torch DataLoader, {args.workers} workers")
+          comparison, f"torch DataLoader, {args.workers} workers",
+          {"ceiling (no loader) rows/s": f"{ceil:.1f}",
+           "aioload / ceiling": f"{a / ceil:.0%}", "torch / ceiling": f"{t / ceil:.0%}"})
+
+
+def _collate_rows(share) -> None:
+    dataset, batches = share
+    for batch in batches:
+        torch.utils.data.default_collate([dataset[i] for i in batch])
 
 
 def classic(args) -> None:
@@ -133,7 +148,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="1 round, fewer rows and images")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.rows, args.images = 1, 16384, min(args.images, 512)
+        args.rounds, args.rows, args.images = 1, min(args.rows, 16384), min(args.images, 512)
     print(f"# aioload benchmarks\n\nrun: {environment()}\ncommand: python benchmarks/run.py "
           f"{' '.join(sys.argv[1:])}".rstrip())
     for name in args.suite or list(SUITES):

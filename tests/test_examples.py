@@ -34,5 +34,14 @@ def test_train_async(tmp_path):
 
 def test_bench_command_runs(tmp_path):
     out = run_example(["-m", "aioload", "bench", "--images", "96", "--batch-size", "16", "--workers", "1",
-                       "--epochs", "1"], tmp_path, timeout=400)
+                       "--rounds", "1"], tmp_path, timeout=400)
     assert "img/s (median)" in out and "aioload/torch" in out
+
+
+def test_benchmark_suite_runs(tmp_path):
+    """The benchmark script itself, on its smallest workload: it must not rot."""
+    out = run_example([str(ROOT / "benchmarks/run.py"), "--suite", "tiny", "--quick", "--rows", "2048",
+                       "--workers", "1"], tmp_path, timeout=400)
+    table = out.split("## Tiny samples")[1]
+    for name in ("torch DataLoader, 0 workers", "torch DataLoader, 1 workers", "aioload DataLoader, 1 workers"):
+        assert name in table
