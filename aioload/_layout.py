@@ -33,6 +33,23 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+class _memo:
+    """``functools.cached_property`` without its lock. Before Python 3.12 that lock is one per
+    property for every instance: a worker forked while another thread (another loader's engine)
+    held it would wait for it for ever."""
+
+    def __init__(self, compute):
+        self.compute = compute
+        self.name = compute.__name__
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        value = self.compute(obj)
+        obj.__dict__[self.name] = value  # later reads find it before this descriptor
+        return value
+
+
 @dataclass(frozen=True)
 class LeafSpec:
     """Shape and dtype of one leaf; ``kind`` is ``"t"`` for a tensor, ``"n"`` for an ndarray."""
@@ -41,13 +58,13 @@ class LeafSpec:
     dtype: str
     shape: tuple
 
-    @functools.cached_property
+    @_memo
     def torch_dtype(self) -> torch.dtype:
         if self.kind in ("t", "p"):
             return getattr(torch, self.dtype.removeprefix("torch."))
         return torch.from_numpy(np.empty(0, dtype=np.dtype(self.dtype))).dtype
 
-    @functools.cached_property
+    @_memo
     def nbytes(self) -> int:
         if self.kind == "x":
             return 0
