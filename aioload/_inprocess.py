@@ -18,8 +18,8 @@ from aioload._compat import _len_called, _warn_iterable_length
 from aioload._seeding import sample_seed, seed_everything
 
 if TYPE_CHECKING:
-    from aioload._engine import Plan, Ready
     from aioload._loader import DataLoader
+    from aioload._spec import Plan, Ready
 
 try:
     import numpy as np

@@ -11,10 +11,10 @@ import anyio
 
 from aioload import _device
 from aioload._compat import _len_called, _warn_iterable_length
-from aioload._engine import Failure, Ready, _Cancelled
 from aioload._errors import DataLoaderTimeoutError, LoaderClosedError
 from aioload._inprocess import _AllSkipped, _decode_in_process
 from aioload._ready import EndOfEpoch
+from aioload._spec import Failure, Ready, _Cancelled
 
 if TYPE_CHECKING:
     from aioload._engine import Engine

@@ -22,7 +22,7 @@ from aioload import _device
 from aioload._budget import check_max_errors, epoch_samples, logger
 from aioload._compat import _warn_as_torch_iterator
 from aioload._dataset import is_split
-from aioload._engine import Engine, Plan, Spec
+from aioload._engine import Engine
 from aioload._errors import LoaderClosedError
 from aioload._inprocess import _InProcessIterator
 from aioload._iterator import _Iterator
@@ -32,6 +32,7 @@ from aioload._ready import ReadyQueue
 from aioload._resources import _LIVE, _Resources, _finalize_loader
 from aioload._sampling import Planner, shard_sampler
 from aioload._seeding import derive_seed
+from aioload._spec import Plan, Spec
 from aioload._stats import LoaderStats, StatsRecorder
 from aioload._tune import check_knob, is_auto, make_tuner
 from aioload._worker import WorkerConfig, _batched_fetch

@@ -9,7 +9,7 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING
 
-from aioload._engine import Shared
+from aioload._spec import Shared
 
 if TYPE_CHECKING:
     from aioload._engine import Engine

@@ -22,9 +22,9 @@ import torch
 from torch.utils.data import BatchSampler, Sampler
 
 from aioload import _resume
-from aioload._engine import Plan
 from aioload._ready import Delivered
 from aioload._seeding import derive_seed, draw_base_seed
+from aioload._spec import Plan
 
 
 def distributed_rank() -> tuple[int, int] | None:

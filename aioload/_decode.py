@@ -1,0 +1,268 @@
+"""Stage 3, decoding in the workers and assembling: a batch (or chunks of it) goes to the worker
+pool, which writes it into a shared-memory slot; the replies become the batch, as views of the slot."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+
+from aioload._chunks import CHUNK_MAGIC, join_chunks, load_chunk, move_chunk_into_slot
+from aioload._errors import unpack_exception
+from aioload._layout import ALIGN, Layout, SlotView, collate_rows, column_views, load_batch, load_rows, move_into_slot
+from aioload._ready import SKIP
+from aioload._slots import SlotPool
+from aioload._spec import Ready
+
+CHUNK_SECONDS = 0.1
+"""Target decode time of one task: long enough to hide the hand-off, short enough to balance."""
+
+WHOLE_BATCH_SECONDS = 0.02
+"""A batch that decodes in less time than this goes to one worker whole: splitting it would cost
+more in hand-offs (a message each way and a join per chunk) than it saves in latency."""
+
+_NOTHING = ("nothing",)
+"""The probe's sample was skipped at its read: no reply."""
+
+
+def _chunk_blob(payloads: list):
+    """A chunk-mode reply's skeleton (its first payload that is there), else ``None``."""
+    for payload in payloads:
+        if payload is not None:
+            return payload if payload.startswith(CHUNK_MAGIC) else None
+    return None
+
+
+class DecodeStage:
+    """The decode and assembly stage of :class:`~aioload._engine.Engine`, whose state it uses."""
+
+    def _slot(self):
+        shared = self.shared
+        if shared.layout is None or shared.no_leaves:
+            return None
+        if shared.slots is None:
+            shared.slots = SlotPool(shared.layout, self.slot_target, self.pool.register, self.spec.pin)
+        slot = shared.slots.acquire()
+        for slot_id in shared.slots.take_retired():
+            self._session.drop_slot(slot_id)
+        return slot
+
+    def _learn(self, specs, rows: int) -> None:
+        shared = self.shared
+        if shared.layout is not None or shared.no_leaves or specs is None:
+            return
+        if not specs:
+            shared.no_leaves = True
+        else:
+            shared.layout = Layout(specs, rows, overflow=0)
+        self._taught.set()
+
+    def _note_reply(self, reply, rows: int) -> None:
+        _, _, payloads, _, specs, overflow_wanted, seconds, *cpu = reply
+        self._learn(specs, rows)
+        self.stats.decoded_batch(len(payloads), seconds, cpu[0] if cpu else seconds)
+        if payloads:
+            per_sample = seconds / len(payloads)
+            old = self.shared.per_sample_s
+            self.shared.per_sample_s = per_sample if old is None else 0.8 * old + 0.2 * per_sample
+        if overflow_wanted and self.shared.slots is not None:
+            self.shared.slots.grow_overflow(overflow_wanted * max(1, rows // max(1, len(payloads))))
+
+    def _chunk(self, n: int) -> int:
+        """Rows per task: the whole batch split across the workers, smaller once decode time
+        is known so that no task takes much longer than ``CHUNK_SECONDS``."""
+        if self.spec.batched_fetch:
+            return n
+        size = max(1, math.ceil(n / self.spec.num_workers))
+        per_sample = self.shared.per_sample_s
+        if per_sample is None:
+            return size  # the first batches: split, so that the first one arrives fast
+        if per_sample * n <= WHOLE_BATCH_SECONDS:
+            return n
+        return min(size, max(1, int(CHUNK_SECONDS / per_sample)))
+
+    def _errors(self, reply, offset: int = 0) -> list:
+        return [(offset + pos, index, stage, packed) for pos, index, stage, packed in reply[3]]
+
+    def _unpack(self, error) -> BaseException:
+        pos, index, stage, packed = error
+        if index is None:
+            where = f"in stage {stage}"
+        elif isinstance(index, list):  # collate_fn's batch, or a chunk fetched by __getitems__
+            what = "the batch of dataset indices" if stage == "collate_fn" else "dataset indices"
+            where = f"while running {stage} for {what} {index}"
+        else:
+            where = f"while running {stage} for dataset index {index}{self._where(index)}"
+        return unpack_exception(packed, where + " in an aioload worker")
+
+    def _raise_first(self, errors) -> None:
+        raise self._unpack(min(errors, key=lambda e: e[0]))
+
+    def _skip(self, errors) -> None:
+        if not self.budget.skip:
+            self._raise_first(errors)
+        for error in sorted(errors, key=lambda e: e[0]):
+            index = error[1]
+            self.budget.failed(index if isinstance(index, list) else [index], self._unpack(error))
+
+    async def _rows(self, seq: int, indices, chunked: bool | None = None) -> Ready:
+        indices = self._batch_indices(indices) if chunked is None else indices
+        probe = None
+        if self._learning() and not self.spec.batched_fetch:  # __getitems__ gets whole batches only
+            # This batch teaches the layout: one sample first; its reply shows the layout, and
+            # the rest of the batch is then written straight into a slot.
+            probe = await self._probe(seq, indices[0])
+        slot = self._slot()
+        layout = slot.layout if slot is not None else None
+        size = self._chunk(len(indices))
+        starts = list(range(0 if probe is None else 1, len(indices), size))
+
+        async def chunk(start: int):
+            part = indices[start : start + size]
+            items = await self._read_items(part)
+            desc = None
+            if slot is not None:
+                # A batch sampler's batch may be longer than the layout's rows; each row's share
+                # of the overflow area stays aligned for the leaves written into it.
+                per_row = layout.overflow // max(layout.rows, len(indices)) // ALIGN * ALIGN
+                lo = layout.fixed_bytes + start * per_row
+                desc = (slot.id, layout.describe(), (lo, lo + len(part) * per_row))
+            if not items:
+                return None
+            mode = self.shared.chunked if chunked is None else chunked
+            return await self._session.submit("rows", desc, (items, start, mode), part, seq)
+
+        # gather, not a task group: a chunk already sent to a worker must finish before the
+        # slot can be reused, even when a sibling chunk failed to read.
+        try:
+            if len(starts) == 1:  # the whole batch in one task: no gather to pay for
+                replies = [await chunk(starts[0])]
+            else:
+                replies = await asyncio.gather(*(chunk(s) for s in starts), return_exceptions=True)
+        except BaseException:
+            if slot is not None:
+                self.shared.slots.release(slot)
+            raise
+        failed = [r for r in replies if isinstance(r, BaseException)]
+        if failed:
+            if slot is not None:
+                self.shared.slots.release(slot)
+            raise failed[0]
+        if probe is not None:
+            starts, replies = [0, *starts], [probe, *replies]
+            if slot is not None and probe != _NOTHING and probe[2][0] is not None:
+                payload = probe[2][0]
+                if payload.startswith(CHUNK_MAGIC):
+                    payload = move_chunk_into_slot(payload, slot.segment, layout, column_views(slot.segment, layout), 0)
+                else:
+                    payload = move_into_slot(payload, slot.segment, layout, 0)
+                probe = probe[:2] + ([payload],) + probe[3:]
+                replies[0] = probe
+        if chunked is None and any(r not in (None, _NOTHING) and any(e[2] == "collate" for e in r[3]) for r in replies):
+            # A chunk could not be collated (samples of different shapes, say): collate the
+            # whole batch in this process instead, so the error is default_collate's own.
+            if slot is not None:
+                self.shared.slots.release(slot)
+            return await self._rows(seq, indices, chunked=False)
+        rows, errors, chunks = [], [], []
+        for start, reply in zip(starts, replies):
+            if reply is None or reply is _NOTHING:
+                continue
+            if reply is not probe:
+                self._note_reply(reply, self.spec.batch_size or len(indices))
+                self._note_mode(reply)
+            if reply[3]:
+                errors += self._errors(reply, start)
+            payloads = reply[2]
+            blob = _chunk_blob(payloads)
+            if blob is not None:
+                # chunk mode: the chunk's samples fill its rows from ``start``, in order
+                chunks.append((start, len(payloads) - payloads.count(None), load_chunk(blob)))
+            else:
+                rows += [(start + pos, p) for pos, p in enumerate(payloads) if p is not None]
+        if errors:
+            try:
+                self._skip(errors)
+            except BaseException:
+                if slot is not None:
+                    self.shared.slots.release(slot)
+                raise
+        if chunks:
+            if rows:
+                if slot is not None:
+                    self.shared.slots.release(slot)
+                raise TypeError("the samples of this batch differ in kind: some hold only tensors, numbers "
+                                "and strings, others types with their own collate function; give the "
+                                "DataLoader a collate_fn that handles them all")
+            return self._assemble_chunks(slot, chunks)
+        return self._assemble(slot, rows, rows_mode=True)
+
+    async def _probe(self, seq: int, index):
+        """Decode one sample without a slot and learn the layout from it."""
+        items = await self._read_items([index])
+        if not items:
+            return _NOTHING
+        reply = await self._session.submit("rows", None, (items, 0, None), [index], seq)
+        self._note_reply(reply, self.spec.batch_size or 1)
+        self._note_mode(reply)
+        return reply
+
+    def _note_mode(self, reply) -> None:
+        """The first reply with a sample decides chunk mode or rows mode for good."""
+        if self.shared.chunked is None:
+            done = [p for p in reply[2] if p]
+            if done:
+                self.shared.chunked = done[0].startswith(CHUNK_MAGIC)
+
+    async def _whole(self, seq: int, indices) -> Ready:
+        batch_indices = self._batch_indices(indices)
+        items = await self._read_items(batch_indices)
+        if not items:
+            return SKIP
+        slot = self._slot()  # after the reads: a read that fails must not hold a slot
+        desc = None
+        if slot is not None:
+            layout = slot.layout
+            desc = (slot.id, layout.describe(), (layout.fixed_bytes, layout.size))
+        try:
+            reply = await self._session.submit(
+                "whole", desc, (items, self.spec.on_error == "skip"), batch_indices, seq
+            )
+            self._note_reply(reply, 1)
+            if reply[3]:
+                self._skip(self._errors(reply))
+        except BaseException:
+            if slot is not None:
+                self.shared.slots.release(slot)
+            raise
+        failed = sum(1 for error in reply[3] if not isinstance(error[1], list))
+        return self._assemble(slot, [(0, reply[2][0])] if reply[2][0] is not None else [], rows_mode=False,
+                              samples=len(items) - failed)
+
+    def _assemble_chunks(self, slot, chunks):
+        """A batch from chunk-mode replies: columns joined, views of the slot where whole."""
+        slots = self.shared.slots
+        view = None
+        if slot is not None:
+            view = SlotView(slot.segment, slot.layout, functools.partial(slots.release, slot))
+        batch = join_chunks(chunks, view)
+        if view is not None:
+            view.release()
+        return self._deliver(batch, sum(n for _, n, _ in chunks))
+
+    def _assemble(self, slot, rows, rows_mode: bool, samples: int | None = None):
+        slots = self.shared.slots
+        if not rows:
+            if slot is not None:
+                slots.release(slot)
+            return SKIP
+        view = None
+        if slot is not None:
+            view = SlotView(slot.segment, slot.layout, functools.partial(slots.release, slot))
+        if rows_mode:
+            batch = collate_rows(load_rows(rows), [row for row, _ in rows], view)
+        else:
+            batch = load_batch(rows[0][1], view)
+        if view is not None:
+            view.release()
+        return self._deliver(batch, len(rows) if samples is None else samples)

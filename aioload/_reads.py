@@ -1,0 +1,111 @@
+"""Stage 2, reads: ``await dataset.read(i)`` on the engine's loop, at most ``io_concurrency`` at
+once and each within ``read_timeout``; what ``dataset.read_nowait`` has at hand skips the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aioload._budget import where
+from aioload._dataset import NOT_READY
+from aioload._errors import DataLoaderTimeoutError
+from aioload._spec import Ready
+
+
+class ReadStage:
+    """The read stage of :class:`~aioload._engine.Engine`, whose state it uses."""
+
+    def _where(self, index) -> str:
+        """`` (path)`` when the dataset's ``describe`` knows where ``index`` lives."""
+        return where(self.spec.describe, index)
+
+    async def _read(self, index):
+        self._reading[index] = f"waiting for a read slot (io_concurrency={self.spec.io_concurrency})"
+        try:
+            async with self._io:
+                self._reading[index] = "read"
+                self.stats.read_started()
+                started = time.perf_counter()
+                try:
+                    raw = await self._read_within(index)
+                except Exception as exc:
+                    self.stats.read_done(time.perf_counter() - started, 0)
+                    exc.add_note(f"while reading dataset index {index}{self._where(index)}")
+                    raise
+                self.stats.read_done(time.perf_counter() - started, _nbytes(raw))
+                return raw
+        finally:
+            self._reading.pop(index, None)
+
+    async def _read_within(self, index):
+        limit = self.spec.read_timeout
+        if limit is None:
+            return await self.spec.dataset.read(index)
+        try:
+            async with asyncio.timeout(limit):
+                return await self.spec.dataset.read(index)
+        except TimeoutError:
+            raise DataLoaderTimeoutError(
+                f"dataset.read({index!r}) did not return within read_timeout={limit} seconds; "
+                "raise read_timeout if the storage is just slow, or use on_error='skip' to leave "
+                "such samples out",
+                stuck=[(index, "read")],
+            ) from None
+
+    async def _read_items(self, indices) -> list:
+        """``(index, raw)`` pairs; the indices themselves when the dataset has no read stage
+        (the worker pairs them with ``None``: a plain list pickles at a third of the cost).
+        With ``on_error="skip"`` failed reads are left out and recorded."""
+        if not self.spec.split:
+            return indices  # plain indices: the workers call __getitem__
+        results = self._read_nowait(indices)
+        waiting = [i for i, r in zip(indices, results) if r is NOT_READY]
+        if waiting:
+            read = iter(await asyncio.gather(*(self._read(i) for i in waiting), return_exceptions=True))
+            results = [next(read) if r is NOT_READY else r for r in results]
+        items = []
+        for index, result in zip(indices, results):
+            if isinstance(result, BaseException):
+                if isinstance(result, asyncio.CancelledError) or not isinstance(result, Exception):
+                    raise result
+                self.budget.failed([index], result)
+                continue
+            items.append((index, result))
+        return items
+
+    def _read_nowait(self, indices) -> list:
+        """What ``dataset.read_nowait`` has at hand for each index (``NOT_READY`` for the
+        rest): a local file the worker will open needs no trip through the event loop."""
+        nowait = self._nowait
+        if nowait is None:
+            return [NOT_READY] * len(indices)
+        results = []
+        for index in indices:
+            try:
+                raw = nowait(index)
+            except Exception as exc:  # noqa: BLE001 - reported like a failed read
+                exc.add_note(f"while reading dataset index {index}{self._where(index)}")
+                raw = exc
+            if raw is not NOT_READY:
+                self.stats.read_started()
+                self.stats.read_done(0.0, 0)
+            results.append(raw)
+        return results
+
+    def _batch_indices(self, indices) -> list:
+        """The indices of one batch: a batch sampler's list (or tuple, or tensor), or, without
+        automatic batching, the one index the sampler gave (which may itself be a list)."""
+        return list(indices) if self.spec.auto_collation else [indices]
+
+    async def _read_only(self, indices) -> Ready:
+        batch_indices = self._batch_indices(indices)
+        items = await self._read_items(batch_indices)
+        return Ready(batch=indices, samples=len(items), raw=items)
+
+
+def _nbytes(raw) -> int:
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        return len(raw)
+    if isinstance(raw, tuple) and raw and isinstance(raw[0], (bytes, bytearray, memoryview)):
+        return len(raw[0])
+    return 0

@@ -1,0 +1,79 @@
+"""The values the loader, the engine and the consumer share: what an epoch is given
+(:class:`Spec`, :class:`Plan`, :class:`Shared`) and what it hands back (:class:`Ready`,
+:class:`Failure`, or :class:`_Cancelled` once stopped)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from aioload._layout import Layout
+from aioload._slots import SlotPool
+
+
+@dataclass
+class Spec:
+    """What the engine needs from the loader; fixed when the loader is built."""
+
+    dataset: Any
+    split: bool
+    mode: str  # "rows", "whole", "iter" or "read" (num_workers=0: the consumer decodes)
+    batch_size: int | None
+    num_workers: int
+    io_concurrency: int
+    permits: int
+    in_order: bool
+    on_error: str
+    pin: bool
+    prefetch_tasks: int
+    describe: Callable[[Any], str] | None = None
+    tuner: Any = None  # an aioload._tune.Tuner when a limit is "auto"
+    read_timeout: float | None = None  # seconds one dataset.read may take
+    max_errors: int | float | None = None  # on_error="skip": the bound on skips per epoch
+    epoch_samples: int | None = None  # the base of a fractional max_errors
+    auto_collation: bool = True  # False with batch_size=None: each index (even a list) is one sample
+    batched_fetch: bool = False  # the dataset's __getitems__ gets each batch whole, as in torch
+
+
+@dataclass
+class Plan:
+    """One epoch: the numbered index batches ``(seq, indices)`` (map-style) and the seeds.
+    ``delivered`` holds the sequence numbers the consumer already has (a resumed epoch's)."""
+
+    batches: Iterator
+    base_seed: int
+    per_sample_seeds: bool
+    delivered: Any = None
+
+
+class Failure:
+    """A batch that could not be made; the consumer raises ``exc`` in its place."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+@dataclass
+class Ready:
+    batch: Any
+    samples: int
+    event: Any = None
+    raw: list | None = None  # num_workers=0 with a split dataset: (index, raw) pairs
+
+
+@dataclass
+class Shared:
+    """State that outlives an epoch: the learned layout and its slot pool."""
+
+    layout: Layout | None = None
+    no_leaves: bool = False
+    slots: SlotPool | None = None
+    per_sample_s: float | None = None
+    holds: set = field(default_factory=set)
+    chunked: bool | None = None  # rows collated by chunk in the workers (see _chunks)
+
+
+class _Cancelled(Exception):
+    """The epoch was stopped by the consumer (break, close, garbage collection)."""
