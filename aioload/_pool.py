@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import socket
 import time
+import weakref
 
 from aioload import _wire
 from aioload._errors import WorkerCrashedError, describe_exit, unpack_exception
@@ -38,6 +39,10 @@ def choose_context(multiprocessing_context) -> mp.context.BaseContext:
     return multiprocessing_context
 
 
+_LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+"""Every pool of this process: a worker forked for one pool closes the others' sockets too."""
+
+
 class WorkerPool:
     """``num_workers`` processes, each holding one copy of the dataset."""
 
@@ -58,13 +63,15 @@ class WorkerPool:
         for cell in range(2 * num_workers):
             self.progress[cell] = -1
         forking = context.get_start_method() == "fork"
+        others = [sock for pool in list(_LIVE_POOLS) if not pool.closed for sock in pool.socks + pool.ctrls]
         try:
             for wid in range(num_workers):
                 parent, child = socket.socketpair()
                 cparent, cchild = socket.socketpair()
-                # A forked worker closes every parent end it inherits, its own included, so
-                # that its socket reports end-of-stream as soon as the loader's process is gone.
-                inherited = tuple(self.socks + self.ctrls + [parent, cparent]) if forking else ()
+                # A forked worker closes every parent end it inherits, its own, its siblings'
+                # and other loaders' pools', so that every worker's socket reports end-of-stream
+                # as soon as the loader's process is gone, even if it was killed.
+                inherited = tuple(others + self.socks + self.ctrls + [parent, cparent]) if forking else ()
                 proc = context.Process(
                     target=worker_main,
                     args=(wid, cfg, child, cchild, inherited),
@@ -81,6 +88,7 @@ class WorkerPool:
         except BaseException:
             self.close()
             raise
+        _LIVE_POOLS.add(self)
 
     def alive(self) -> bool:
         """Usable for another epoch: not closed, not broken, and no worker has died (a worker

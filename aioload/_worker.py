@@ -6,6 +6,7 @@ loader stops it or its socket closes (the parent went away): a worker never outl
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -343,7 +344,12 @@ def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=()) -> 
     # A forked worker inherits the parent's ends of its siblings' sockets: close them, so
     # that each socket reports end-of-stream as soon as its real peer is gone.
     for other in inherited:
-        other.close()
+        # detach, not close: a socket that an event loop was watching at the fork counts as in
+        # use, and close() would then leave its descriptor open
+        fd = other.detach()
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
     # Ctrl-C is the parent's business: it stops the workers in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)

@@ -566,10 +566,16 @@ CHILD = textwrap.dedent("""
         pids = [p.pid for p in multiprocessing.active_children()]
         print(" ".join(map(str, pids)), flush=True)
 
+    kept = []
+
     def train():
         for epoch in range(1000):
             for step, batch in enumerate(loader):
                 if epoch == 0 and step == 0:
+                    if mode == "two":  # a second loader's workers are forked beside the first's
+                        other = aioload.DataLoader(FaultyDataset({root!r}, 40, {{}}), batch_size=4, num_workers=2)
+                        kept.append(iter(other))  # an epoch running: its pool stays
+                        next(kept[-1])
                     announce()
                 if mode == "exit" and step == 2:
                     sys.exit(0)  # interpreter exit with the loader open and an epoch running
@@ -583,7 +589,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def run_child(tmp_path, make, mode: str) -> tuple[subprocess.Popen, list[int]]:
+def run_child(tmp_path, make, mode: str, workers: int = 2) -> tuple[subprocess.Popen, list[int]]:
     make()
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(root_dir=os.path.dirname(TESTS_DIR), root=str(tmp_path / "data")))
@@ -597,9 +603,9 @@ def run_child(tmp_path, make, mode: str) -> tuple[subprocess.Popen, list[int]]:
             os.killpg(proc.pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=10)
         pytest.fail(f"the child did not report its workers within 45 s; stderr:\n{err}")
-    workers = [int(pid) for pid in line.split()]
-    assert len(workers) == 2
-    return proc, workers
+    pids = [int(pid) for pid in line.split()]
+    assert len(pids) == workers
+    return proc, pids
 
 
 def finished(proc: subprocess.Popen, timeout: float = 15.0) -> tuple[int, str]:
@@ -632,8 +638,39 @@ def test_interpreter_exit_while_iterating_stops_workers(tmp_path, make):
     wait_until(lambda: all(gone(pid) for pid in workers), 10, "the workers to exit with the interpreter")
 
 
-def test_workers_exit_when_the_loader_process_is_killed(tmp_path, make):
-    proc, workers = run_child(tmp_path, make, "with")
+def _socket_inodes(pid: int) -> set[str]:
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:"):
+                held.add(link)
+    return held
+
+
+def test_a_loaders_workers_hold_no_socket_of_another_loader(make, before):
+    """A worker forked for one loader closes the other loaders' sockets it inherited: else a
+    worker stuck in user code would keep the other pool's workers from seeing the end of
+    stream when the process is killed."""
+    dataset = make()
+    with aioload.DataLoader(dataset, batch_size=4, num_workers=1) as a, \
+            aioload.DataLoader(dataset, batch_size=4, num_workers=1) as b:
+        first, second = iter(a), iter(b)  # a's pool exists when b's worker is forked
+        next(first)
+        next(second)
+        ours = {f"socket:[{os.fstat(s.fileno()).st_ino}]" for s in a._res.pool.socks + a._res.pool.ctrls}
+        assert ours <= _socket_inodes(os.getpid())
+        for proc in b._res.pool.procs:
+            assert not ours & _socket_inodes(proc.pid)
+        del first, second
+    assert_released(before)
+
+
+@pytest.mark.parametrize("mode, count", [("with", 2), ("two", 4)])
+def test_workers_exit_when_the_loader_process_is_killed(tmp_path, make, mode, count):
+    """With two loaders, the second pool's workers were forked holding the first pool's
+    sockets: they must not keep the first pool's workers from seeing the end of stream."""
+    proc, workers = run_child(tmp_path, make, mode, count)
     proc.kill()
     finished(proc)
     wait_until(lambda: all(gone(pid) for pid in workers), 10, "orphaned workers to exit")
