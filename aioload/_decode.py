@@ -239,26 +239,27 @@ class DecodeStage:
         return self._assemble(slot, [(0, reply[2][0])] if reply[2][0] is not None else [], rows_mode=False,
                               samples=len(items) - failed)
 
+    def _view(self, slot) -> SlotView | None:
+        """The hand-out of ``slot`` a batch is built from; the slot goes back to the pool when
+        the batch's last tensor is gone."""
+        if slot is None:
+            return None
+        return SlotView(slot.segment, slot.layout, functools.partial(self.shared.slots.release, slot))
+
     def _assemble_chunks(self, slot, chunks):
         """A batch from chunk-mode replies: columns joined, views of the slot where whole."""
-        slots = self.shared.slots
-        view = None
-        if slot is not None:
-            view = SlotView(slot.segment, slot.layout, functools.partial(slots.release, slot))
+        view = self._view(slot)
         batch = join_chunks(chunks, view)
         if view is not None:
             view.release()
         return self._deliver(batch, sum(n for _, n, _ in chunks))
 
     def _assemble(self, slot, rows, rows_mode: bool, samples: int | None = None):
-        slots = self.shared.slots
         if not rows:
             if slot is not None:
-                slots.release(slot)
+                self.shared.slots.release(slot)
             return SKIP
-        view = None
-        if slot is not None:
-            view = SlotView(slot.segment, slot.layout, functools.partial(slots.release, slot))
+        view = self._view(slot)
         if rows_mode:
             batch = collate_rows(load_rows(rows), [row for row, _ in rows], view)
         else:

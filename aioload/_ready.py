@@ -90,10 +90,15 @@ class ReadyQueue:
             return True  # the engine has put everything it will put
         if not self._in_order:
             return bool(self._items)
+        return self._awaited() in self._items
+
+    def _awaited(self) -> int:
+        """In order: the sequence number the consumer takes next (a resumed epoch skips the
+        batches it already delivered)."""
         seq = self._next
         while seq in self.delivered:
             seq += 1
-        return seq in self._items
+        return seq
 
     def put(self, seq: int, item: object) -> bool:
         """Add ``item``; ``True`` when a waiting consumer takes it next, in which case the
@@ -109,12 +114,7 @@ class ReadyQueue:
 
     def _wanted(self, seq: int) -> bool:
         """Whether ``seq`` is the item the consumer takes next."""
-        if not self._in_order:
-            return True
-        nxt = self._next
-        while nxt in self.delivered:
-            nxt += 1
-        return seq == nxt
+        return not self._in_order or seq == self._awaited()
 
     def finish(self, total: int) -> None:
         """No sequence number at or beyond ``total`` will come."""

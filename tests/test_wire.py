@@ -92,19 +92,21 @@ def test_reader_reports_a_peer_that_went_away_mid_message():
 # ----------------------------------------------------------------------------- ready queue
 
 
-def _until_waiting(ready: ReadyQueue) -> None:
+def _waiting_consumer(ready: ReadyQueue, got: list) -> threading.Thread:
+    """A thread blocked in ``ready.get``; what it takes lands in ``got``."""
+    consumer = threading.Thread(target=lambda: got.append(ready.get(timeout=10)))
+    consumer.start()
     deadline = time.monotonic() + 10
     while not ready._hungry:
         assert time.monotonic() < deadline, "the consumer thread never waited"
         time.sleep(0.005)
+    return consumer
 
 
 def test_a_batch_put_for_a_waiting_consumer_is_handed_over_without_a_permit():
     ready = ReadyQueue(in_order=True)
     got = []
-    consumer = threading.Thread(target=lambda: got.append(ready.get(timeout=10)))
-    consumer.start()
-    _until_waiting(ready)
+    consumer = _waiting_consumer(ready, got)
     assert ready.put(0, "batch 0") is True  # the engine keeps this batch's permit
     consumer.join(10)
     assert got == [("batch 0", False)]  # and the consumer owes none
@@ -121,9 +123,7 @@ def test_batches_put_ahead_of_the_consumer_each_return_a_permit():
 def test_only_the_batch_the_consumer_waits_for_is_handed_over_in_order():
     ready = ReadyQueue(in_order=True)
     got = []
-    consumer = threading.Thread(target=lambda: got.append(ready.get(timeout=10)))
-    consumer.start()
-    _until_waiting(ready)
+    consumer = _waiting_consumer(ready, got)
     assert ready.put(1, "batch 1") is False  # the consumer waits for batch 0
     assert ready.put(2, SKIP) is False
     assert ready.put(0, "batch 0") is True
