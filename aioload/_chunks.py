@@ -96,8 +96,7 @@ class ChunkWriter:
         layout = self.layout
         if layout is None or k >= len(layout.leaves) or layout.leaves[k] != spec:
             return None
-        column = self.columns[k]
-        return column if type(column) is torch.Tensor else torch.from_numpy(column)
+        return self.columns.tensor(k)
 
     def _put(self, stacked: torch.Tensor):
         k = len(self.specs)

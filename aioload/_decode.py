@@ -57,11 +57,13 @@ class DecodeStage:
             shared.layout = Layout(specs, rows, overflow=0)
         self._taught.set()
 
-    def _note_reply(self, reply, rows: int) -> None:
+    def _note_reply(self, reply, rows: int, timed: bool = True) -> None:
+        """Learn from a worker's reply: the layout, decode statistics and, when ``timed``,
+        the time per sample that sizes later tasks."""
         _, _, payloads, _, specs, overflow_wanted, seconds, *cpu = reply
         self._learn(specs, rows)
         self.stats.decoded_batch(len(payloads), seconds, cpu[0] if cpu else seconds)
-        if payloads:
+        if payloads and timed:
             per_sample = seconds / len(payloads)
             old = self.shared.per_sample_s
             self.shared.per_sample_s = per_sample if old is None else 0.8 * old + 0.2 * per_sample
@@ -203,7 +205,9 @@ class DecodeStage:
         if not items:
             return _NOTHING
         reply = await self._session.submit("rows", None, (items, 0, None), [index], seq)
-        self._note_reply(reply, self.spec.batch_size or 1)
+        # Not timed: a worker's first sample pays for cold caches and lazy imports (8 ms
+        # against 10 us for a 128-token row), which would cut the next batches into tiny tasks.
+        self._note_reply(reply, self.spec.batch_size or 1, timed=False)
         self._note_mode(reply)
         return reply
 

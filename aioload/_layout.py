@@ -416,11 +416,20 @@ def _numpy_dtype(dtype: torch.dtype):
 
 
 class _Columns(list):
-    """Column views of one slot, plus their row views (made on first use)."""
+    """Column views of one slot, plus their row views and tensor views (made on first use)."""
 
     def __init__(self):
         super().__init__()
         self.rows: list = []
+        self.tensors: list = []
+
+    def tensor(self, k: int) -> torch.Tensor:
+        """Column ``k`` as a tensor (a column kept as an ndarray is wrapped once)."""
+        found = self.tensors[k]
+        if found is None:
+            column = self[k]
+            found = self.tensors[k] = column if type(column) is torch.Tensor else torch.from_numpy(column)
+        return found
 
 
 def column_views(segment, layout: Layout | None) -> list | None:
@@ -429,6 +438,7 @@ def column_views(segment, layout: Layout | None) -> list | None:
         return None
     columns = _Columns()
     columns.rows = [None] * len(layout.leaves)
+    columns.tensors = [None] * len(layout.leaves)
     for spec, offset in zip(layout.leaves, layout.offsets):
         shape = (layout.rows, *spec.shape)
         if spec.kind == "x":

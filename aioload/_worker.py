@@ -156,6 +156,37 @@ class _Worker:
         """A task's ``(index, raw)`` pairs; a dataset without a read stage is sent bare indices."""
         return items if self.cfg.split else list(zip(items, itertools.repeat(None)))
 
+    def fetch_each(self, items) -> tuple[list, list, list]:
+        """A task's samples one by one, in order: ``(samples, payloads, errors)``, where a
+        payload is ``b""`` for a sample fetched and ``None`` for one that failed."""
+        if self.cfg.split or self.per_sample_seeds:
+            samples, payloads, errors = [], [], []
+            for pos, (index, raw) in enumerate(self.pairs(items)):
+                try:
+                    samples.append(self.load(index, raw))
+                    payloads.append(b"")
+                except Exception as exc:  # noqa: BLE001
+                    payloads.append(None)
+                    errors.append((pos, index, self.stage(), pack_exception(exc)))
+            return samples, payloads, errors
+        # Bare indices, no seeding: the loop that torch's fetcher runs, plus one store per
+        # sample saying which index this worker is on.
+        dataset, progress, cell = self.cfg.dataset, self.progress, 2 * self.id + 1
+        if progress is not None:
+            progress[cell - 1] = self.task
+        samples, errors = [], []
+        for pos, index in enumerate(items):
+            if progress is not None:
+                progress[cell] = index if type(index) is int and index >= 0 else -1
+            try:
+                samples.append(dataset[index])
+            except Exception as exc:  # noqa: BLE001
+                errors.append((pos, index, self.stage(), pack_exception(exc)))
+        payloads = [b""] * len(items)
+        for pos, _, _, _ in errors:
+            payloads[pos] = None
+        return samples, payloads, errors
+
     def stage(self) -> str:
         return "decode" if self.cfg.split else "__getitem__"
 
@@ -189,24 +220,20 @@ class _Worker:
 
     def run_chunk(self, task_id, slot, items, row0, must: bool):
         """Chunk mode (see :mod:`aioload._chunks`): collate the chunk straight into the slot.
-        ``None`` when its samples hold a type chunk mode cannot join (rows mode then)."""
+        ``None`` when its samples hold a type chunk mode cannot join (rows mode then).
+        ``items`` are as sent: ``(index, raw)`` pairs, or bare indices without a read stage."""
         started = time.perf_counter()
         payloads, errors, samples = [], [], []
         if self.batched():
+            pairs = self.pairs(items)
             try:
-                samples = list(self.fetch_batch(items))
+                samples = list(self.fetch_batch(pairs))
                 payloads = [b""] * len(samples)
             except Exception as exc:  # noqa: BLE001 - reported to the consumer with its index
-                errors.append((0, [i for i, _ in items], "__getitems__", pack_exception(exc)))
+                errors.append((0, [i for i, _ in pairs], "__getitems__", pack_exception(exc)))
                 return ("done", task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
         else:
-            for pos, (index, raw) in enumerate(items):
-                try:
-                    samples.append(self.load(index, raw))
-                    payloads.append(b"")
-                except Exception as exc:  # noqa: BLE001
-                    payloads.append(None)
-                    errors.append((pos, index, self.stage(), pack_exception(exc)))
+            samples, payloads, errors = self.fetch_each(items)
         writer = self.chunk_writer(slot, row0)
         if samples:
             try:
@@ -216,7 +243,8 @@ class _Worker:
                     raise
                 return None
             except Exception as exc:  # noqa: BLE001 - collation failed: the batch fails
-                errors.append((0, items[0][0], "collate", pack_exception(exc)))
+                first = items[0][0] if self.cfg.split else items[0]
+                errors.append((0, first, "collate", pack_exception(exc)))
                 return ("done", task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
             payloads[payloads.index(b"")] = blob
         specs = writer.specs if slot is None else None
@@ -229,25 +257,22 @@ class _Worker:
         return ChunkWriter(writer.segment, writer.layout, row0, writer._columns)
 
     def run_whole(self, task_id, slot, items, skip_errors: bool):
+        """One whole batch, collated by ``collate_fn``; ``items`` as :meth:`run_chunk`'s."""
         writer = self.writer(slot)
         started = time.perf_counter()
-        samples, errors = [], []
+        indices = [i for i, _ in items] if self.cfg.split else items
         if self.cfg.auto_collation and self.batched():
             try:
-                samples = self.fetch_batch(items)
+                samples = self.fetch_batch(self.pairs(items))
             except Exception as exc:  # noqa: BLE001 - reported to the consumer with its index
-                errors = [(0, items[0][0], "__getitems__", pack_exception(exc))]
+                errors = [(0, indices[0], "__getitems__", pack_exception(exc))]
                 return ("done", task_id, [None], errors, None, 0, time.perf_counter() - started)
-            return self.finish_batch(task_id, slot, writer, samples, [], started, [i for i, _ in items])
-        for pos, (index, raw) in enumerate(items):
-            try:
-                samples.append(self.load(index, raw))
-            except Exception as exc:  # noqa: BLE001
-                errors.append((pos, index, self.stage(), pack_exception(exc)))
+            return self.finish_batch(task_id, slot, writer, samples, [], started, list(indices))
+        samples, _, errors = self.fetch_each(items)
         if (errors and not skip_errors) or not samples:
             return ("done", task_id, [None], errors, None, 0, time.perf_counter() - started)
         failed = {pos for pos, _, _, _ in errors}
-        collated = [index for pos, (index, _) in enumerate(items) if pos not in failed]
+        collated = [index for pos, index in enumerate(indices) if pos not in failed]
         return self.finish_batch(task_id, slot, writer, samples, errors, started, collated)
 
     def finish_batch(self, task_id, slot, writer, samples, errors, started, index):
@@ -308,16 +333,14 @@ class _Worker:
             cpu = time.process_time()
             if kind == "rows":
                 items, row0, *chunked = payload
-                items = self.pairs(items)
                 chunked = chunked[0] if chunked else False
                 reply = None
                 if chunked is not False:
                     reply = self.run_chunk(task_id, slot, items, row0, must=chunked is True)
                 if reply is None:
-                    reply = self.run_rows(task_id, slot, items, row0)
+                    reply = self.run_rows(task_id, slot, self.pairs(items), row0)
             elif kind == "whole":
                 items, skip_errors = payload
-                items = self.pairs(items)
                 reply = self.run_whole(task_id, slot, items, skip_errors)
             elif kind == "iter":
                 reply = self.run_iter(task_id, slot)
