@@ -10,9 +10,24 @@ from aioload._retry import RemoteReadError, RetryPolicy
 from aioload._stats import LoaderStats
 from aioload._storage import Storage, read_bytes, read_range
 from aioload._strings import StringList
-from aioload.images import ImageFiles, ImageFolder, decode_image
 
 __version__ = "0.1.0"
+
+_IMAGES = ("ImageFiles", "ImageFolder", "decode_image")
+
+
+def __getattr__(name: str):
+    # The image helpers need torchvision, whose import takes seconds (it pulls in its models
+    # and torch._dynamo): it happens on first use, not at ``import aioload``.
+    if name in _IMAGES:
+        from aioload import images
+
+        return getattr(images, name)
+    raise AttributeError(f"module 'aioload' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_IMAGES])
 
 __all__ = [
     "CacheStats",

@@ -8,3 +8,23 @@ def test_all_is_sorted_and_complete():
     public = {n for n in dir(aioload) if not n.startswith("_")}
     modules = {"images", "transforms"}
     assert public - modules - {"annotations"} <= set(aioload.__all__) | modules
+
+
+def test_import_leaves_torchvision_until_an_image_helper_is_used():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, aioload\n"
+        "assert 'torchvision' not in sys.modules, 'import aioload imported torchvision'\n"
+        "from aioload import ImageFolder\n"
+        "assert 'torchvision' in sys.modules and ImageFolder is aioload.images.ImageFolder\n"
+        "try:\n"
+        "    aioload.NoSuchThing\n"
+        "except AttributeError as exc:\n"
+        "    assert 'NoSuchThing' in str(exc)\n"
+        "else:\n"
+        "    raise SystemExit('a missing attribute did not raise')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
