@@ -5,6 +5,12 @@ consumed, *out* while the consumer holds tensors that view it, and *free* again 
 tensors are gone (on a GPU: once the copy out of it has finished). The pool keeps at most
 ``target`` free slots; a slot beyond that (a consumer that keeps every batch, say) is freed
 when released, so steady-state memory is ``target`` slots whatever the epoch count.
+
+A page-locked slot can be released while a copy out of it still runs: the consumer's own
+``batch.to("cuda", non_blocking=True)`` returns at once, and dropping the batch then releases
+the slot. Such a slot *cools*: the pool records an event on the releasing thread's current
+CUDA stream (the one that queued the copy) and hands the slot out again only once that event
+has fired, as torch's pinned-memory allocator does for its own blocks.
 """
 
 from __future__ import annotations
@@ -34,16 +40,33 @@ def _cuda_unregister(segment: Segment) -> None:
     torch.cuda.cudart().cudaHostUnregister(segment.address)
 
 
+def cuda_fence():
+    """An event after the work queued so far on this thread's current CUDA stream, or
+    ``None`` when CUDA is not in use in this process (nothing can be reading the slot)."""
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+    except Exception:  # noqa: BLE001 - a finalizer at interpreter exit, a broken context
+        return None
+
+
 class SlotPool:
     """Free list of slots for one layout; thread-safe (slots are released by finalizers)."""
 
-    def __init__(self, layout: Layout, target: int, register, pin: bool):
+    def __init__(self, layout: Layout, target: int, register, pin: bool, fence=cuda_fence):
         self.layout = layout
         self.target = target
         self._register = register
         self._pin = pin
-        self._lock = threading.Lock()
+        self._fence = fence
+        # Re-entrant: slots are released by finalizers, which a garbage collection started
+        # inside a locked section can run on the same thread.
+        self._lock = threading.RLock()
         self._free: list[Slot] = []
+        self._cooling: list[tuple[Slot, object]] = []  # (slot, event) in release order
         self._ids = itertools.count()
         self._retired: list[int] = []
         self.live = 0
@@ -52,6 +75,7 @@ class SlotPool:
 
     def acquire(self) -> Slot:
         with self._lock:
+            self._cool()
             while self._free:
                 slot = self._free.pop()
                 if slot.layout is self.layout:
@@ -69,11 +93,37 @@ class SlotPool:
         return slot
 
     def release(self, slot: Slot) -> None:
+        event = self._fence() if slot.pinned else None
+        cooling = (slot, event)  # made outside the lock (see _lock)
         with self._lock:
-            if self.closed or slot.layout is not self.layout or len(self._free) >= self.target:
-                self._retire(slot)
+            if event is not None and not self.closed:
+                self._cooling.append(cooling)
+                return
+            if event is not None:
+                event.synchronize()  # closed: the slot is unmapped now, after its copy
+            self._keep(slot)
+
+    def _keep(self, slot: Slot) -> None:
+        if self.closed or slot.layout is not self.layout or len(self._free) >= self.target:
+            self._retire(slot)
+        else:
+            self._free.append(slot)
+
+    def _cool(self) -> None:
+        """Move cooled slots to the free list. A new slot is made while copies are pending (a
+        copy queued behind a training step can take that long); with ``target`` of them pending,
+        the device is a whole queue behind, and the pool waits for the oldest instead."""
+        cooling = self._cooling
+        if len(cooling) >= self.target and not self._free:
+            cooling[0][1].synchronize()
+        i = 0
+        while i < len(cooling):  # in place: a release from a finalizer may append meanwhile
+            slot, event = cooling[i]
+            if event.query():
+                del cooling[i]
+                self._keep(slot)
             else:
-                self._free.append(slot)
+                i += 1
 
     def grow_overflow(self, wanted: int) -> None:
         """Make later slots' overflow area fit ``wanted`` bytes per batch (variable shapes)."""
@@ -100,6 +150,9 @@ class SlotPool:
     def close(self) -> None:
         with self._lock:
             self.closed = True
-            free, self._free = self._free, []
+            for _, event in self._cooling:
+                event.synchronize()  # a copy still reading a slot must end before it is unmapped
+            free = self._free + [slot for slot, _ in self._cooling]
+            self._free, self._cooling = [], []
             for slot in free:
                 self._retire(slot)

@@ -140,3 +140,70 @@ def test_close_releases_workers_and_shared_memory():
     assert not child_pids()
     # freed by reference counting alone, without waiting for the garbage collector
     assert len(memfds()) <= before
+
+
+class _Copy:
+    """Stands in for the CUDA event after a consumer's ``non_blocking`` copy out of a slot."""
+
+    def __init__(self):
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.done = True
+
+
+def _pinned_pool(target: int, copies: list, monkeypatch):
+    from aioload import _slots
+    from aioload._layout import Layout, LeafSpec
+    from aioload._slots import SlotPool
+
+    monkeypatch.setattr(_slots, "_cuda_unregister", lambda segment: None)  # no device here
+
+    def fence():
+        copies.append(_Copy())
+        return copies[-1]
+
+    pool = SlotPool(Layout([LeafSpec("t", "torch.int64", (4,))], 8, 0), target, lambda *a: None, False, fence)
+
+    def acquire():
+        slot = pool.acquire()
+        slot.pinned = True  # as cudaHostRegister would have made it
+        return slot
+
+    return pool, acquire
+
+
+def test_a_pinned_slot_is_reused_only_after_the_copy_out_of_it_finished(monkeypatch):
+    from aioload._slots import cuda_fence
+
+    assert cuda_fence() is None, "no CUDA in use in this process: nothing to wait for"
+    copies: list = []
+    pool, acquire = _pinned_pool(4, copies, monkeypatch)
+    first = acquire()
+    pool.release(first)  # the consumer dropped the batch; its copy is still queued
+    second = acquire()
+    assert second.id != first.id, "a slot whose copy is pending was handed out again"
+    copies[0].done = True
+    pool.release(second)
+    assert {acquire().id} <= {first.id, second.id}
+    assert not copies[0].waited, "a pool with room must not wait for the device"
+    pool.close()
+
+
+def test_a_pool_with_every_slot_cooling_waits_for_the_oldest_copy(monkeypatch):
+    copies: list = []
+    pool, acquire = _pinned_pool(2, copies, monkeypatch)
+    slots = [acquire(), acquire()]
+    for slot in slots:
+        pool.release(slot)
+    again = acquire()
+    assert copies[0].waited and again.id == slots[0].id
+    assert pool.live == 2, "no slot may be made while the device is a whole queue behind"
+    pool.close()
+    assert copies[1].waited, "close() unmapped a slot a copy was still reading"
+    assert pool.live == 1  # the slot still out is the consumer's until it is released
