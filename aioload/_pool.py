@@ -182,6 +182,8 @@ class PoolSession:
         self._idle = asyncio.Event()
         self._idle.set()
         self._reported = asyncio.Event()  # a worker said it is ready, or the pool broke
+        self._broken_reading: asyncio.Future | None = None  # serve()'s: a reply callback failed
+        self._crash_reports: set[asyncio.Task] = set()
 
     def drop_slot(self, slot_id: int) -> None:
         for drops in self._drops:
@@ -288,34 +290,67 @@ class PoolSession:
         self._post(wid, _wire.encode((kind, task_id, slot, payload, drops)))
 
     async def serve(self) -> None:
-        """Read every worker's replies until cancelled; a dead worker breaks the pool."""
-        async with asyncio.TaskGroup() as tg:
-            for wid in range(self.pool.num_workers):
-                tg.create_task(self._read(wid))
+        """Read every worker's replies until cancelled; a dead worker breaks the pool.
 
-    async def _read(self, wid: int) -> None:
-        reader = _wire.Reader(self.pool.socks[wid])
-        while True:
-            msg = await reader.recv()
-            if msg is None:
-                await self._crashed(wid)
+        Each socket has a reader callback for the whole epoch: a reply costs one wake-up and
+        one ``recv``, where awaiting a read per message would register and unregister the
+        socket with the loop's poller every time."""
+        loop = asyncio.get_running_loop()
+        self._broken_reading = loop.create_future()
+        watched = []
+        try:
+            for wid, sock in enumerate(self.pool.socks):
+                loop.add_reader(sock.fileno(), self._readable, wid, _wire.Reader(sock))
+                watched.append(sock.fileno())
+            await self._broken_reading  # raises what a reply callback hit; else waits for cancel
+        finally:
+            for fd in watched:
+                loop.remove_reader(fd)
+            for task in list(self._crash_reports):
+                task.cancel()
+
+    def _readable(self, wid: int, reader: _wire.Reader) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            messages = reader.read_available()
+            if messages is None:
+                loop.remove_reader(reader.sock.fileno())
+                report = loop.create_task(self._crashed(wid))
+                self._crash_reports.add(report)
+                report.add_done_callback(self._crash_reported)
                 return
-            tag = msg[0]
-            if tag == "ready":
-                self.pool.ready[wid] = True
-                self._reported.set()
-                self._dispatch()
-            elif tag == "init_error":
-                exc = unpack_exception(msg[1], f"raised by worker_init_fn in worker {wid}")
-                self._fail_all(exc)
-                return
-            else:
-                request = self._inflight[wid].pop(msg[1], None)
-                if request is not None and not request.future.done():
-                    request.future.set_result(msg)
-                self._dispatch()
-                if not self.outstanding():
-                    self._idle.set()
+            for msg in messages:
+                if not self._handle(wid, msg):
+                    loop.remove_reader(reader.sock.fileno())
+                    return
+        except BaseException as exc:  # noqa: BLE001 - raised by serve(), in the engine's task group
+            loop.remove_reader(reader.sock.fileno())
+            if not self._broken_reading.done():
+                self._broken_reading.set_exception(exc)
+
+    def _crash_reported(self, task: asyncio.Task) -> None:
+        self._crash_reports.discard(task)
+        if not task.cancelled() and task.exception() is not None and not self._broken_reading.done():
+            self._broken_reading.set_exception(task.exception())
+
+    def _handle(self, wid: int, msg) -> bool:
+        """One message from worker ``wid``; ``False`` when nothing more is read from it."""
+        tag = msg[0]
+        if tag == "ready":
+            self.pool.ready[wid] = True
+            self._reported.set()
+            self._dispatch()
+        elif tag == "init_error":
+            self._fail_all(unpack_exception(msg[1], f"raised by worker_init_fn in worker {wid}"))
+            return False
+        else:
+            request = self._inflight[wid].pop(msg[1], None)
+            if request is not None and not request.future.done():
+                request.future.set_result(msg)
+            self._dispatch()
+            if not self.outstanding():
+                self._idle.set()
+        return True
 
     async def _crashed(self, wid: int) -> None:
         proc = self.pool.procs[wid]

@@ -6,7 +6,6 @@ through shared-memory slots, never through these sockets.
 
 from __future__ import annotations
 
-import asyncio
 import pickle
 import socket
 import struct
@@ -24,8 +23,8 @@ def send_blocking(sock: socket.socket, message: object) -> None:
 
 
 class Reader:
-    """Messages from one socket: :meth:`recv` on the running loop (a non-blocking socket),
-    :meth:`recv_blocking` in a worker. Reads whatever has arrived into one buffer and parses
+    """Messages from one socket: :meth:`read_available` from a loop's reader callback (a
+    non-blocking socket), :meth:`recv_blocking` in a worker. Reads whatever has arrived into one buffer and parses
     every complete message in it: one system call per message at most, none for a message
     that is already there, where reading header and body apart would cost two."""
 
@@ -68,20 +67,22 @@ class Reader:
             self._room()
         return memoryview(self._buf)[self._end :]
 
-    async def recv(self) -> object | None:
-        """The next message; ``None`` at end of stream."""
-        while True:
-            message = self._parse()
-            if message is not _INCOMPLETE:
-                return message
-            loop = asyncio.get_running_loop()
-            try:
-                n = await loop.sock_recv_into(self.sock, self._space())
-            except (ConnectionResetError, BrokenPipeError):
-                return None
-            if n == 0:
-                return None
+    def read_available(self) -> list | None:
+        """Every complete message that has arrived, oldest first, after one non-blocking read
+        (the engine's loop calls this when the socket is readable); ``None`` once the peer has
+        gone away and no complete message is left."""
+        try:
+            n = self.sock.recv_into(self._space())
+        except (BlockingIOError, InterruptedError):
+            n = -1
+        except OSError:
+            n = 0
+        if n > 0:
             self._end += n
+        messages = []
+        while (message := self._parse()) is not _INCOMPLETE:
+            messages.append(message)
+        return None if n == 0 and not messages else messages
 
     def recv_blocking(self) -> object | None:
         """The next message; ``None`` when the peer has gone away."""
