@@ -62,6 +62,44 @@ class _Seq:
         return (_Seq, (self.value,))
 
 
+class _Numbers:
+    """A column of Python numbers, stored losslessly (float64, int64 or bool) by ``inner``.
+    ``default_collate`` gives such a column the dtype of the whole batch (float64 when its
+    first value is a float, else what ``torch.tensor`` infers from every value), which one
+    chunk cannot see: ``first`` is the kind of the chunk's first value and ``kinds`` every
+    kind it held ("b" bool, "i" int, "f" float); the parent decides when it joins."""
+
+    __slots__ = ("inner", "first", "kinds")
+
+    def __init__(self, inner, first: str, kinds: str):
+        self.inner, self.first, self.kinds = inner, first, kinds
+
+    def __reduce__(self):
+        return (_Numbers, (self.inner, self.first, self.kinds))
+
+
+def _kind_of(t: type) -> str | None:
+    if issubclass(t, bool):
+        return "b"
+    if issubclass(t, int):
+        return "i"
+    if issubclass(t, float):
+        return "f"
+    return None
+
+
+_LOSSLESS = {"f": torch.float64, "i": torch.int64, "b": torch.bool}
+
+
+def batch_dtype(first: str, kinds: str) -> torch.dtype:
+    """``default_collate``'s dtype for a batch of Python numbers (see :class:`_Numbers`)."""
+    if first == "f":
+        return torch.float64  # collate_float_fn
+    if "f" in kinds:
+        return torch.get_default_dtype()  # collate_int_fn: torch.tensor(batch) infers it
+    return torch.int64 if "i" in kinds else torch.bool
+
+
 class Unsupported(Exception):
     """A leaf that chunk mode cannot join across chunks (a type with its own collate
     function registered in ``default_collate_fn_map``): the worker falls back to rows."""
@@ -124,10 +162,36 @@ class ChunkWriter:
         return self._put(torch.stack(batch, 0))
 
     def _number(self, batch, *, collate_fn_map=None):
-        elem_type = type(batch[0])
-        if elem_type is float:
-            return self._put(torch.tensor(batch, dtype=torch.float64))
-        return self._put(torch.tensor(batch))  # int and bool, as collate_int_fn
+        kinds = set()
+        for t in set(map(type, batch)):
+            kind = _kind_of(t)
+            if kind is None:  # not a number after all: torch's own call raises its error
+                if type(batch[0]) is float:
+                    return self._put(torch.tensor(batch, dtype=torch.float64))
+                return self._put(torch.tensor(batch))
+            kinds.add(kind)
+        kinds = "".join(sorted(kinds))
+        lossless = _LOSSLESS["f" if "f" in kinds else "i" if "i" in kinds else "b"]
+        inner = self._store_numbers(batch, lossless)
+        if inner is None:
+            inner = self._put(torch.tensor(batch, dtype=lossless))
+        return _Numbers(inner, _kind_of(type(batch[0])), kinds)
+
+    def _store_numbers(self, batch, dtype: torch.dtype):
+        """The values straight into their column of the slot: one numpy store, a sixth of the
+        cost of building a tensor first. ``None`` when the column is not there, or a value
+        does not fit (an int beyond int64: torch's own conversion then raises its error)."""
+        k = len(self.specs)
+        spec = LeafSpec("t", str(dtype), ())
+        n = len(batch)
+        if self._column(k, spec) is None or self.row0 + n > self.layout.rows:
+            return None
+        try:
+            self.columns[k][self.row0 : self.row0 + n] = batch
+        except (OverflowError, ValueError, TypeError):
+            return None
+        self.specs.append(spec)
+        return _Col(k)
 
     def _numpy_scalar(self, batch, *, collate_fn_map=None):
         if isinstance(batch[0], np.object_):
@@ -142,6 +206,9 @@ def check_supported(skeleton) -> None:
     """Raise :class:`Unsupported` if a leaf of ``skeleton`` is not a chunk-mode marker."""
     kind = type(skeleton)
     if kind in (_Col, _Tensor, _Seq):
+        return
+    if kind is _Numbers:
+        check_supported(skeleton.inner)
         return
     if isinstance(skeleton, dict):
         for value in skeleton.values():
@@ -173,6 +240,10 @@ def _join(nodes, view, spans, contiguous: bool):
     if kind in (_Col, _Tensor):
         parts = [view.rows(n.k, r0, count) if type(n) is _Col else n.value for n, (r0, count) in zip(nodes, spans)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+    if kind is _Numbers:
+        joined = _join([n.inner for n in nodes], view, spans, contiguous)
+        dtype = batch_dtype(first.first, "".join(n.kinds for n in nodes))
+        return joined if joined.dtype == dtype else joined.to(dtype)
     if kind is _Seq:
         if len(nodes) == 1:
             return first.value
@@ -208,6 +279,8 @@ def _move(node, writer: ChunkWriter):
         return writer._put(node.value)
     if kind in (_Col, _Seq):
         return node
+    if kind is _Numbers:
+        return _Numbers(_move(node.inner, writer), node.first, node.kinds)
     if isinstance(node, dict):
         moved = {key: _move(v, writer) for key, v in node.items()}
         try:

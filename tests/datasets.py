@@ -104,3 +104,19 @@ def pad_collate(batch):
     for row, t in enumerate(batch):
         out[row, : len(t)] = t
     return out, torch.tensor([len(t) for t in batch])
+
+
+class Numbers(torch.utils.data.Dataset):
+    """Python numbers whose types vary inside a column: default_collate decides each batch's
+    dtype from all of them (an int column with one float in it becomes float32)."""
+
+    def __init__(self, n: int = 40, huge_at: int | None = None):
+        self.n, self.huge_at = n, huge_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        label = i + 0.5 if i % 7 == 3 else i
+        big = 2**70 if i == self.huge_at else 2**40 + i
+        return torch.tensor([i]), label, i % 2 == 1, float(i) / 4, big

@@ -10,7 +10,7 @@ import torch
 
 import aioload
 from tests.conftest import child_pids
-from tests.datasets import Mixed, Squares, Varying, pad_collate
+from tests.datasets import Mixed, Numbers, Squares, Varying, pad_collate
 
 
 def memfds() -> list[str]:
@@ -88,6 +88,28 @@ def test_every_collatable_kind_matches_default_collate():
                 assert type(ours["pair"]) is type(theirs["pair"])
                 assert torch.equal(ours["pair"][0], theirs["pair"][0])
                 assert torch.equal(ours["pair"][1], theirs["pair"][1])
+
+
+def test_python_numbers_of_mixed_types_collate_as_default_collate_does():
+    dataset = Numbers()
+    reference = list(torch.utils.data.DataLoader(dataset, batch_size=4))
+    with aioload.DataLoader(dataset, batch_size=4, num_workers=2) as loader:
+        for _ in range(2):
+            got = list(loader)
+            assert len(got) == len(reference)
+            for ours, theirs in zip(got, reference):
+                for a, b in zip(ours, theirs):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
+
+
+def test_a_number_too_large_for_int64_fails_like_default_collate():
+    with pytest.raises(Exception) as theirs:
+        list(torch.utils.data.DataLoader(Numbers(huge_at=13), batch_size=4))
+    with aioload.DataLoader(Numbers(huge_at=13), batch_size=4, num_workers=2) as loader:
+        with pytest.raises(Exception) as ours:
+            list(loader)
+    assert type(ours.value) is type(theirs.value)
+    assert str(theirs.value) in str(ours.value)
 
 
 def test_variable_shapes_fail_like_default_collate():
