@@ -142,4 +142,4 @@ def run_in_process(budget: ErrorBudget, describe, stage: str, indices: list, fn,
 
 def budget_for(loader) -> ErrorBudget:
     """A fresh epoch's budget for ``loader`` (an ``aioload.DataLoader``)."""
-    return ErrorBudget(loader.on_error, loader.max_errors, epoch_samples(loader._torch), loader._stats.skipped.extend)
+    return ErrorBudget(loader.on_error, loader.max_errors, epoch_samples(loader._torch), loader._stats.skip)

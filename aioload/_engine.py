@@ -76,7 +76,7 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
         self._session: PoolSession | None = None
         self.clean = True  # False when workers may still be writing into slots
         self.drain_timeout = DRAIN_TIMEOUT  # 0 once a sample is known to be stuck
-        self.budget = ErrorBudget(spec.on_error, spec.max_errors, spec.epoch_samples, stats.skipped.extend)
+        self.budget = ErrorBudget(spec.on_error, spec.max_errors, spec.epoch_samples, stats.skip)
         self._open: dict[int, list] = {}  # batches started and not yet handed to the ready queue
         self._reading: dict[Any, str] = {}  # index -> "read" or "waiting for a read slot"
 

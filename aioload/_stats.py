@@ -64,6 +64,7 @@ class LoaderStats:
     queue_depth: int = 0
     num_workers: int = 0
     skipped: tuple = ()
+    skipped_total: int = 0
     worker_restarts: int = 0
     shm_bytes: int = 0
     samples_per_s: float = field(init=False)
@@ -106,7 +107,7 @@ class LoaderStats:
 
 _COUNTERS = frozenset({
     "batches", "samples", "epochs", "elapsed_s", "first_batch_s", "wait_s", "reads", "bytes_read",
-    "read_s", "decoded", "decode_s", "decode_cpu_s", "worker_restarts",
+    "read_s", "decoded", "decode_s", "decode_cpu_s", "worker_restarts", "skipped_total",
 })
 
 
@@ -155,10 +156,10 @@ def _bytes(n: float) -> str:
 def format_stats(stats: LoaderStats) -> str:
     """A few aligned lines for people: throughput, waiting, each stage, memory, the verdict."""
     s = stats
-    skipped = f"{len(s.skipped)}"
+    skipped = f"{s.skipped_total}"
     if s.skipped:
         shown = ", ".join(str(i) for i in s.skipped[:8])
-        skipped += f" (indices {shown}{', ...' if len(s.skipped) > 8 else ''})"
+        skipped += f" (indices {shown}{', ...' if s.skipped_total > 8 else ''})"
     rows = [
         ("throughput", f"{s.samples_per_s:.1f} samples/s ({s.samples} samples, {s.batches} batches, "
                        f"{s.epochs} epoch{'' if s.epochs == 1 else 's'}, {s.elapsed_s:.2f} s)"),
@@ -185,6 +186,10 @@ def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     pos = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
     return ordered[pos]
+
+
+SKIPPED_KEPT = 10_000
+"""How many skipped indices ``stats().skipped`` lists; ``skipped_total`` counts them all."""
 
 
 class StatsRecorder:
@@ -217,7 +222,8 @@ class StatsRecorder:
             self.decoded = 0
             self.reads_in_flight = 0
             self.queue_occupancy = 0
-            self.skipped: list = []
+            self.skipped: list = []  # the first SKIPPED_KEPT indices
+            self.skipped_total = 0
             self.worker_restarts = 0
             self.shm_bytes = 0
             self._closed_s = 0.0
@@ -226,6 +232,15 @@ class StatsRecorder:
             self._first_pending = False
 
     # -- engine thread (one writer, no lock) ------------------------------------------------
+    def skip(self, indices) -> None:
+        """Samples left out with ``on_error="skip"``: all are counted, the first
+        :data:`SKIPPED_KEPT` indices kept (a corrupt shard must not grow memory for ever)."""
+        indices = list(indices)
+        self.skipped_total += len(indices)
+        room = SKIPPED_KEPT - len(self.skipped)
+        if room > 0:
+            self.skipped.extend(indices[:room])
+
     def read_started(self) -> None:
         self.reads_in_flight += 1
 
@@ -321,7 +336,7 @@ class StatsRecorder:
                 reads=self.reads, bytes_read=self.bytes_read, read_s=self.read_s,
                 decoded=self.decoded, decode_s=self.decode_s, decode_cpu_s=self.decode_cpu_s,
                 reads_in_flight=max(0, self.reads_in_flight), queue_occupancy=self.queue_occupancy,
-                skipped=tuple(self.skipped), worker_restarts=self.worker_restarts,
+                skipped=tuple(self.skipped), skipped_total=self.skipped_total, worker_restarts=self.worker_restarts,
                 shm_bytes=self.shm_bytes,
             )
         values["read_p50_ms"] = _percentile(latencies, 0.5) * 1e3

@@ -674,3 +674,29 @@ def test_workers_exit_when_the_loader_process_is_killed(tmp_path, make, mode, co
     proc.kill()
     finished(proc)
     wait_until(lambda: all(gone(pid) for pid in workers), 10, "orphaned workers to exit")
+
+
+class _OddFails(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 60
+
+    def __getitem__(self, i):
+        if i % 2:
+            raise ValueError(f"sample {i} is corrupt")
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skipped_indices_are_counted_all_but_kept_only_up_to_a_bound(workers, monkeypatch):
+    from aioload import _stats
+
+    monkeypatch.setattr(_stats, "SKIPPED_KEPT", 10)
+    with aioload.DataLoader(_OddFails(), batch_size=4, num_workers=workers, on_error="skip") as loader:
+        before = loader.stats()
+        for _ in range(2):
+            assert sorted(int(i) for batch in loader for i in batch) == list(range(0, 60, 2))
+        stats = loader.stats()
+    assert stats.skipped_total == 60, "every skipped sample is counted, over both epochs"
+    assert len(stats.skipped) == 10 and set(stats.skipped) <= set(range(1, 60, 2))
+    assert stats.since(before).skipped_total == 60
+    assert "skipped          60 (indices" in str(stats)
