@@ -169,39 +169,45 @@ def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: 
     return Run(name, images, seconds, first or 0.0, cpu, peak_mem, peak_shm, stats)
 
 
-def _timed(work: Callable, share, queue) -> None:
+def _timed(work: Callable, share, start, queue) -> None:
     torch.set_num_threads(1)
+    start.wait()
     started = time.perf_counter()
-    work(share)
-    queue.put(time.perf_counter() - started)
+    items = work(share)
+    queue.put(items / (time.perf_counter() - started))
 
 
-def ceiling_of(work: Callable, shares: list, items: int) -> float:
-    """Items per second when ``work(share)`` runs for every share at once, one process each
-    (forked: ``work`` need not be picklable), with no loader: the bound a loader approaches."""
+def ceiling_of(work: Callable, shares: list) -> float:
+    """Items per second when ``work(share)`` (which returns how many items it did) runs for
+    every share at once, one process each (forked: ``work`` need not be picklable), with no
+    loader: the bound a loader approaches. The processes start together; the figure is the
+    sum of their rates, so a share that ends early (a static split is never even) does not
+    count as idle time, as it would not in a loader that balances its workers."""
     ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_timed, args=(work, share, queue)) for share in shares]
+    queue, start = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_timed, args=(work, share, start, queue)) for share in shares]
     for p in procs:
         p.start()
-    longest = max(queue.get(timeout=600) for _ in procs)
+    start.set()
+    total = sum(queue.get(timeout=600) for _ in procs)
     for p in procs:
         p.join()
-    return items / longest
+    return total
 
 
-def _decode_files(share) -> None:
+def _decode_files(share) -> int:
     paths, transform = share
     for path in paths:
         with open(path, "rb") as f:
             image = decode_image(f.read())
         if transform is not None:
             transform(image)
+    return len(paths)
 
 
 def ceiling(paths: list[str], transform, workers: int) -> float:
     """img/s of the same read+decode+transform in a tight loop, one process per worker."""
-    return ceiling_of(_decode_files, [(paths[w::workers], transform) for w in range(workers)], len(paths))
+    return ceiling_of(_decode_files, [(paths[w::workers], transform) for w in range(workers)])
 
 
 def median(values: Iterable[float]) -> float:
