@@ -19,10 +19,11 @@ _IMAGES = ("ImageFiles", "ImageFolder", "decode_image")
 def __getattr__(name: str):
     # The image helpers need torchvision, whose import takes seconds (it pulls in its models
     # and torch._dynamo): it happens on first use, not at ``import aioload``.
-    if name in _IMAGES:
-        from aioload import images
+    if name in _IMAGES or name == "images":
+        import importlib
 
-        return getattr(images, name)
+        images = importlib.import_module("aioload.images")
+        return images if name == "images" else getattr(images, name)
     raise AttributeError(f"module 'aioload' has no attribute {name!r}")
 
 

@@ -17,6 +17,7 @@ def test_import_leaves_torchvision_until_an_image_helper_is_used():
     code = (
         "import sys, aioload\n"
         "assert 'torchvision' not in sys.modules, 'import aioload imported torchvision'\n"
+        "assert aioload.images.decode_image is aioload.decode_image\n"
         "from aioload import ImageFolder\n"
         "assert 'torchvision' in sys.modules and ImageFolder is aioload.images.ImageFolder\n"
         "try:\n"
