@@ -700,3 +700,26 @@ def test_skipped_indices_are_counted_all_but_kept_only_up_to_a_bound(workers, mo
     assert len(stats.skipped) == 10 and set(stats.skipped) <= set(range(1, 60, 2))
     assert stats.since(before).skipped_total == 60
     assert "skipped          60 (indices" in str(stats)
+
+
+def test_an_error_while_reading_replies_reaches_the_consumer_and_the_next_epoch_works(monkeypatch):
+    """The engine's reply callback failing (here a reply it cannot parse) ends the epoch with
+    that error, promptly, and leaves nothing behind that keeps the next epoch from running."""
+    from aioload import _wire
+
+    real = _wire.Reader.read_available
+    calls = {"n": 0}
+
+    def flaky(self):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise EOFError("reply cut short on purpose")
+        return real(self)
+
+    with aioload.DataLoader(_OddFails(), batch_size=2, num_workers=2, on_error="skip", timeout=20) as loader:
+        monkeypatch.setattr(_wire.Reader, "read_available", flaky)
+        with pytest.raises(EOFError, match="cut short on purpose"):
+            for _ in loader:
+                pass
+        monkeypatch.setattr(_wire.Reader, "read_available", real)
+        assert sorted(int(i) for batch in loader for i in batch) == list(range(0, 60, 2))
