@@ -110,7 +110,8 @@ def forget_locals(exc: BaseException) -> BaseException:
     notebook's last traceback) must not keep that shared memory. File names and line numbers
     stay, so the traceback prints as before; the frames of the user's own code are untouched.
     """
-    pending, seen = [exc], set()
+    pending: list[BaseException | None] = [exc]
+    seen: set[int] = set()
     while pending:
         err = pending.pop()
         if err is None or id(err) in seen:

@@ -14,7 +14,6 @@ exactly ``default_collate``'s.
 
 from __future__ import annotations
 
-import functools
 import io
 import pickle
 import weakref

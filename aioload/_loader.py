@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from typing import Any
 
 import anyio
 import torch
@@ -30,7 +31,7 @@ from aioload._monitor import Monitor, check_options
 from aioload._pool import WorkerPool, choose_context
 from aioload._ready import ReadyQueue
 from aioload._resources import _LIVE, _Resources, _finalize_loader
-from aioload._sampling import Planner, shard_sampler
+from aioload._sampling import EpochProgress, Planner, shard_sampler
 from aioload._seeding import derive_seed
 from aioload._spec import Plan, Spec
 from aioload._stats import LoaderStats, StatsRecorder
@@ -92,7 +93,7 @@ class DataLoader:
                  seed: int | None = None, on_error: str = "raise", max_errors: int | float | None = None,
                  read_timeout: float | None = None,
                  log_every: float | None = None, progress: bool = False, shard: bool = True):
-        extra = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
+        extra: dict[str, Any] = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
         if pin_memory_device:
             extra["pin_memory_device"] = pin_memory_device
         if seed is not None and generator is not None:
@@ -144,7 +145,7 @@ class DataLoader:
         self._next_epoch = 0
         self._planner = Planner(self._torch, seed, self._seed_generator, isinstance(dataset, IterableDataset))
         self._resume: dict | None = None  # a loaded state, applied by the next iteration
-        self._progress = None  # the epoch in progress, for state_dict()
+        self._progress: EpochProgress | None = None  # the epoch in progress, for state_dict()
         self._stats = StatsRecorder()
         self._tuner = make_tuner(io_concurrency, self.queue_depth, self._torch.batch_size, num_workers, default_depth)
         self._monitor = None
@@ -249,7 +250,7 @@ class DataLoader:
         """The current ``(io_concurrency, queue_depth)``: as given, or as tuned so far."""
         if self._tuner is not None:
             return self._tuner.controller.io, self._tuner.controller.depth
-        return self.io_concurrency, self.queue_depth
+        return int(self.io_concurrency), int(self.queue_depth)  # not "auto": there would be a tuner
 
     def _epoch_begins(self, epoch: int) -> None:
         self._stats.begin_epoch()
@@ -333,7 +334,7 @@ class DataLoader:
             res.workers = self.num_workers
         return res.pool
 
-    def __iter__(self) -> "_Iterator":
+    def __iter__(self) -> "_Iterator | _InProcessIterator":
         if self._res.closed:
             raise LoaderClosedError("this DataLoader was closed; create a new one to iterate again")
         if self._res.epoch_state is not None:
@@ -357,7 +358,7 @@ class DataLoader:
         self._res.epoch_state = iterator._state
         return iterator
 
-    def __aiter__(self) -> "_Iterator":
+    def __aiter__(self) -> "_Iterator | _InProcessIterator":
         return self.__iter__()
 
     def __repr__(self) -> str:

@@ -137,6 +137,7 @@ async def retrying(policy: RetryPolicy, url: str, attempt: Callable[[], Awaitabl
             raise _final(verb, url, n, exc.status, exc.reason, permanent=True, missing=exc.missing) from exc
         if n < policy.attempts:
             await asyncio.sleep(policy.delay(n, last.retry_after, rng))
+    assert last is not None  # attempts >= 1, and every attempt that did not return was transient
     raise _final(verb, url, policy.attempts, last.status, last.reason) from last
 
 

@@ -24,6 +24,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 DATA_BOUND = 0.10
 """Waiting at least this share of the steady state makes a loop "data-bound"."""
@@ -297,7 +298,8 @@ class StatsRecorder:
     def _account_wait(self, now: float, waited: float) -> None:
         """Charge ``waited`` to the epoch's start-up (first batch) or to waiting (with the lock)."""
         if self._first_pending:
-            self.first_batch_s += now - self._epoch_start
+            started = self._epoch_start if self._epoch_start is not None else now
+            self.first_batch_s += now - started
             self._first_pending = False
         else:
             self.wait_s += waited
@@ -330,7 +332,7 @@ class StatsRecorder:
         (``queue_occupancy``, ``io_concurrency``, ``queue_depth``, ``num_workers``, ...)."""
         with self._lock:
             latencies = list(self._latencies)
-            values = dict(
+            values: dict[str, Any] = dict(
                 batches=self.batches, samples=self.samples, epochs=self.epochs,
                 elapsed_s=self._elapsed(), first_batch_s=self.first_batch_s, wait_s=self.wait_s,
                 reads=self.reads, bytes_read=self.bytes_read, read_s=self.read_s,

@@ -157,7 +157,7 @@ class Storage:
             client = await _http.client(self, self.connections_per_host, self.headers)
             attempt = lambda: _http.get(client, where, policy.timeout, offset, length)  # noqa: E731
         else:
-            end = None if offset is None else offset + length
+            end = None if offset is None or length is None else offset + length
             attempt = lambda: _fsspec.read(self, where, self.storage_options, policy.timeout, offset, end)  # noqa: E731
         return await retrying(policy, where, attempt, self._rng)
 

@@ -128,7 +128,7 @@ class _Images(Dataset):
 
     def decode(self, raw: tuple[bytes | _LocalFile, Any]) -> Any:
         data, target = raw
-        if type(data) is _LocalFile:
+        if isinstance(data, _LocalFile):
             data = read_bytes_blocking(data.path)
         image = decode_image(data, self.decode_size)
         if self.transform is not None:

@@ -33,6 +33,8 @@ class Normalize(torch.nn.Module):
             raise TypeError(f"dtype must be a floating point type, got {dtype}")
         self.dtype = dtype
         self.channels_last = channels_last
+        self.mean: torch.Tensor
+        self.std: torch.Tensor
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(-1, 1, 1), persistent=False)
 
