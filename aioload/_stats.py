@@ -166,7 +166,7 @@ def format_stats(stats: LoaderStats) -> str:
                        f"{s.epochs} epoch{'' if s.epochs == 1 else 's'}, {s.elapsed_s:.2f} s)"),
         ("waiting", f"{s.wait_fraction:.1%} of the time after the first batch "
                     f"({s.wait_s:.2f} s; first batches took {s.first_batch_s:.2f} s)"),
-        ("reads", f"{s.reads} ({_bytes(s.bytes_read)}), p50 {s.read_p50_ms:.2f} ms, p99 {s.read_p99_ms:.2f} ms, "
+        ("reads", f"{s.reads} ({_bytes(s.bytes_read)} on the event loop), p50 {s.read_p50_ms:.2f} ms, p99 {s.read_p99_ms:.2f} ms, "
                   f"{s.mean_reads_in_flight:.1f} in flight on average, {s.reads_in_flight} now, "
                   f"limit {s.io_concurrency}"),
         ("decode", f"{s.decode_ms_per_sample:.3f} ms/sample, {s.num_workers} workers {s.decode_busy:.0%} busy, "
