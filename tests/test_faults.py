@@ -723,3 +723,44 @@ def test_an_error_while_reading_replies_reaches_the_consumer_and_the_next_epoch_
                 pass
         monkeypatch.setattr(_wire.Reader, "read_available", real)
         assert sorted(int(i) for batch in loader for i in batch) == list(range(0, 60, 2))
+
+
+def test_a_fork_taken_while_another_thread_computes_a_layout_property_does_not_deadlock():
+    """The deterministic form of a hang seen once in 20 runs with two loaders: on Python 3.11
+    ``functools.cached_property`` holds one lock per property for all instances, so a worker
+    forked while another loader's engine was inside ``LeafSpec.nbytes`` waited for ever.
+    Layout properties are memoised without a lock; a child forked mid-computation can use
+    them at once."""
+    import threading
+
+    from aioload._layout import LeafSpec, _memo
+
+    assert type(LeafSpec.__dict__["nbytes"]) is _memo and type(LeafSpec.__dict__["torch_dtype"]) is _memo
+    parent = os.getpid()
+    inside, release = threading.Event(), threading.Event()
+
+    class Slow:
+        @_memo
+        def value(self):
+            if os.getpid() == parent:
+                inside.set()
+                release.wait(30)  # the parent's thread stays inside while the child is forked
+            return LeafSpec("t", "torch.int64", (3,)).nbytes
+
+    holder = threading.Thread(target=lambda: Slow().value)
+    holder.start()
+    try:
+        assert inside.wait(10)
+        ctx = multiprocessing.get_context("fork")
+        child = ctx.Process(target=lambda: os._exit(0 if Slow().value == 24 else 1))
+        child.start()
+        child.join(20)
+        stuck = child.is_alive()
+        if stuck:
+            child.kill()
+            child.join()
+        assert not stuck, "the forked child waited on a lock held by the parent's thread"
+        assert child.exitcode == 0
+    finally:
+        release.set()
+        holder.join(10)
