@@ -165,10 +165,8 @@ class ChunkWriter:
         kinds = set()
         for t in set(map(type, batch)):
             kind = _kind_of(t)
-            if kind is None:  # not a number after all: torch's own call raises its error
-                if type(batch[0]) is float:
-                    return self._put(torch.tensor(batch, dtype=torch.float64))
-                return self._put(torch.tensor(batch))
+            if kind is None:  # not a number after all: torch's own function raises its error
+                return self._put(default_collate_fn_map[float if type(batch[0]) is float else int](batch))
             kinds.add(kind)
         kinds = "".join(sorted(kinds))
         lossless = _LOSSLESS["f" if "f" in kinds else "i" if "i" in kinds else "b"]

@@ -142,13 +142,11 @@ class DecodeStage:
             else:
                 replies = await asyncio.gather(*(chunk(s) for s in starts), return_exceptions=True)
         except BaseException:
-            if slot is not None:
-                self.shared.slots.release(slot)
+            self._release_slot(slot)
             raise
         failed = [r for r in replies if isinstance(r, BaseException)]
         if failed:
-            if slot is not None:
-                self.shared.slots.release(slot)
+            self._release_slot(slot)
             raise failed[0]
         if probe is not None:
             starts, replies = [0, *starts], [probe, *replies]
@@ -163,8 +161,7 @@ class DecodeStage:
         if chunked is None and any(r not in (None, _NOTHING) and any(e[2] == "collate" for e in r[3]) for r in replies):
             # A chunk could not be collated (samples of different shapes, say): collate the
             # whole batch in this process instead, so the error is default_collate's own.
-            if slot is not None:
-                self.shared.slots.release(slot)
+            self._release_slot(slot)
             return await self._rows(seq, indices, chunked=False)
         rows, errors, chunks = [], [], []
         for start, reply in zip(starts, replies):
@@ -186,13 +183,11 @@ class DecodeStage:
             try:
                 self._skip(errors)
             except BaseException:
-                if slot is not None:
-                    self.shared.slots.release(slot)
+                self._release_slot(slot)
                 raise
         if chunks:
             if rows:
-                if slot is not None:
-                    self.shared.slots.release(slot)
+                self._release_slot(slot)
                 raise TypeError("the samples of this batch differ in kind: some hold only tensors, numbers "
                                 "and strings, others types with their own collate function; give the "
                                 "DataLoader a collate_fn that handles them all")
@@ -236,12 +231,16 @@ class DecodeStage:
             if reply[3]:
                 self._skip(self._errors(reply))
         except BaseException:
-            if slot is not None:
-                self.shared.slots.release(slot)
+            self._release_slot(slot)
             raise
         failed = sum(1 for error in reply[3] if not isinstance(error[1], list))
         return self._assemble(slot, [(0, reply[2][0])] if reply[2][0] is not None else [], rows_mode=False,
                               samples=len(items) - failed)
+
+    def _release_slot(self, slot) -> None:
+        """Give ``slot`` (``None`` when the batch has none) back to the pool unused."""
+        if slot is not None:
+            self.shared.slots.release(slot)
 
     def _view(self, slot) -> SlotView | None:
         """The hand-out of ``slot`` a batch is built from; the slot goes back to the pool when
@@ -260,8 +259,7 @@ class DecodeStage:
 
     def _assemble(self, slot, rows, rows_mode: bool, samples: int | None = None):
         if not rows:
-            if slot is not None:
-                self.shared.slots.release(slot)
+            self._release_slot(slot)
             return SKIP
         view = self._view(slot)
         if rows_mode:

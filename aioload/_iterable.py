@@ -58,15 +58,13 @@ class IterableStage:
         try:
             reply = await self._session.submit("iter", desc, None, [], seq, worker=wid)
         except BaseException:
-            if slot is not None:
-                self.shared.slots.release(slot)
+            self._release_slot(slot)
             raise
         finally:
             self._open.pop(seq, None)
         if reply[0] == "stop":
             active[wid] = False
-            if slot is not None:
-                self.shared.slots.release(slot)
+            self._release_slot(slot)
             self.ready.put(seq, SKIP)
             self._permits.release()
             return

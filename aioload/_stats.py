@@ -166,9 +166,9 @@ def format_stats(stats: LoaderStats) -> str:
                        f"{s.epochs} epoch{'' if s.epochs == 1 else 's'}, {s.elapsed_s:.2f} s)"),
         ("waiting", f"{s.wait_fraction:.1%} of the time after the first batch "
                     f"({s.wait_s:.2f} s; first batches took {s.first_batch_s:.2f} s)"),
-        ("reads", f"{s.reads} ({_bytes(s.bytes_read)} on the event loop), p50 {s.read_p50_ms:.2f} ms, p99 {s.read_p99_ms:.2f} ms, "
-                  f"{s.mean_reads_in_flight:.1f} in flight on average, {s.reads_in_flight} now, "
-                  f"limit {s.io_concurrency}"),
+        ("reads", f"{s.reads} ({_bytes(s.bytes_read)} on the event loop), p50 {s.read_p50_ms:.2f} ms, "
+                  f"p99 {s.read_p99_ms:.2f} ms, {s.mean_reads_in_flight:.1f} in flight on average, "
+                  f"{s.reads_in_flight} now, limit {s.io_concurrency}"),
         ("decode", f"{s.decode_ms_per_sample:.3f} ms/sample, {s.num_workers} workers {s.decode_busy:.0%} busy, "
                    f"on a CPU {s.decode_cpu_share:.0%} of that time"),
         ("queue", f"{s.queue_occupancy} batches ready, queue_depth {s.queue_depth}"),

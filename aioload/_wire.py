@@ -24,9 +24,10 @@ def send_blocking(sock: socket.socket, message: object) -> None:
 
 class Reader:
     """Messages from one socket: :meth:`read_available` from a loop's reader callback (a
-    non-blocking socket), :meth:`recv_blocking` in a worker. Reads whatever has arrived into one buffer and parses
-    every complete message in it: one system call per message at most, none for a message
-    that is already there, where reading header and body apart would cost two."""
+    non-blocking socket), :meth:`recv_blocking` in a worker. Reads whatever has arrived into
+    one buffer and parses every complete message in it: one system call per message at most,
+    none for a message that is already there, where reading header and body apart would cost
+    two."""
 
     def __init__(self, sock: socket.socket, size: int = 1 << 16):
         self.sock = sock
@@ -47,8 +48,8 @@ class Reader:
         return message
 
     def _room(self) -> None:
-        """Move the unparsed tail to the front, and grow for a message larger than the buffer.
-        A new buffer rather than a resize: the loop may still hold a view of the old one."""
+        """Move the unparsed tail to the front, or into a new, larger buffer when the message
+        it starts is larger than this one."""
         start, end = self._start, self._end
         need = len(self._buf)
         if end - start >= _HEADER.size:

@@ -138,10 +138,10 @@ class _Worker:
         """Whether batches are fetched with one ``__getitems__`` call, as torch does."""
         return not self.cfg.split and not self.cfg.exact_seeds and _batched_fetch(self.cfg.dataset)
 
-    def fetch_batch(self, items) -> Any:
+    def fetch_batch(self, indices: list) -> Any:
         if self.per_sample_seeds:
-            seed_everything(sample_seed(self.base_seed, items[0][0]))
-        return self.cfg.dataset.__getitems__([i for i, _ in items])
+            seed_everything(sample_seed(self.base_seed, indices[0]))
+        return self.cfg.dataset.__getitems__(indices)
 
     def load(self, index, raw):
         self.mark(index)
@@ -155,6 +155,10 @@ class _Worker:
     def pairs(self, items) -> list:
         """A task's ``(index, raw)`` pairs; a dataset without a read stage is sent bare indices."""
         return items if self.cfg.split else list(zip(items, itertools.repeat(None)))
+
+    def indices(self, items) -> list:
+        """A task's dataset indices (``items`` as sent)."""
+        return [i for i, _ in items] if self.cfg.split else list(items)
 
     def fetch_each(self, items) -> tuple[list, list, list]:
         """A task's samples one by one, in order: ``(samples, payloads, errors)``, where a
@@ -191,18 +195,21 @@ class _Worker:
         return "decode" if self.cfg.split else "__getitem__"
 
     def run_rows(self, task_id, slot, items, row0):
+        """Rows mode: each sample's leaves into its row of the slot; ``items`` as
+        :meth:`run_chunk`'s."""
         writer = self.writer(slot, RowWriter)
         payloads, errors = [], []
         started = time.perf_counter()
         samples = None
         if self.batched():
+            indices = self.indices(items)
             try:
-                samples = self.fetch_batch(items)
+                samples = self.fetch_batch(indices)
             except Exception as exc:  # noqa: BLE001 - reported to the consumer with its index
-                errors.append((0, [i for i, _ in items], "__getitems__", pack_exception(exc)))
+                errors.append((0, indices, "__getitems__", pack_exception(exc)))
                 return ("done", task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
         previous = None
-        for pos, (index, raw) in enumerate(items):
+        for pos, (index, raw) in enumerate(self.pairs(items)):
             try:
                 sample = samples[pos] if samples is not None else self.load(index, raw)
                 data = writer.dump(sample, row0 + pos)
@@ -225,12 +232,12 @@ class _Worker:
         started = time.perf_counter()
         payloads, errors, samples = [], [], []
         if self.batched():
-            pairs = self.pairs(items)
+            indices = self.indices(items)
             try:
-                samples = list(self.fetch_batch(pairs))
+                samples = list(self.fetch_batch(indices))
                 payloads = [b""] * len(samples)
             except Exception as exc:  # noqa: BLE001 - reported to the consumer with its index
-                errors.append((0, [i for i, _ in pairs], "__getitems__", pack_exception(exc)))
+                errors.append((0, indices, "__getitems__", pack_exception(exc)))
                 return ("done", task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
         else:
             samples, payloads, errors = self.fetch_each(items)
@@ -243,8 +250,7 @@ class _Worker:
                     raise
                 return None
             except Exception as exc:  # noqa: BLE001 - collation failed: the batch fails
-                first = items[0][0] if self.cfg.split else items[0]
-                errors.append((0, first, "collate", pack_exception(exc)))
+                errors.append((0, self.indices(items[:1])[0], "collate", pack_exception(exc)))
                 return ("done", task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
             payloads[payloads.index(b"")] = blob
         specs = writer.specs if slot is None else None
@@ -260,14 +266,14 @@ class _Worker:
         """One whole batch, collated by ``collate_fn``; ``items`` as :meth:`run_chunk`'s."""
         writer = self.writer(slot)
         started = time.perf_counter()
-        indices = [i for i, _ in items] if self.cfg.split else items
+        indices = self.indices(items)
         if self.cfg.auto_collation and self.batched():
             try:
-                samples = self.fetch_batch(self.pairs(items))
+                samples = self.fetch_batch(indices)
             except Exception as exc:  # noqa: BLE001 - reported to the consumer with its index
                 errors = [(0, indices[0], "__getitems__", pack_exception(exc))]
                 return ("done", task_id, [None], errors, None, 0, time.perf_counter() - started)
-            return self.finish_batch(task_id, slot, writer, samples, [], started, list(indices))
+            return self.finish_batch(task_id, slot, writer, samples, [], started, indices)
         samples, _, errors = self.fetch_each(items)
         if (errors and not skip_errors) or not samples:
             return ("done", task_id, [None], errors, None, 0, time.perf_counter() - started)
@@ -338,7 +344,7 @@ class _Worker:
                 if chunked is not False:
                     reply = self.run_chunk(task_id, slot, items, row0, must=chunked is True)
                 if reply is None:
-                    reply = self.run_rows(task_id, slot, self.pairs(items), row0)
+                    reply = self.run_rows(task_id, slot, items, row0)
             elif kind == "whole":
                 items, skip_errors = payload
                 reply = self.run_whole(task_id, slot, items, skip_errors)
