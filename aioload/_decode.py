@@ -36,12 +36,17 @@ def _chunk_blob(payloads: list):
 class DecodeStage:
     """The decode and assembly stage of :class:`~aioload._engine.Engine`, whose state it uses."""
 
-    def _slot(self):
+    def _slot(self, rows: int = 0):
+        """A slot for the next batch (``None`` while the layout is unknown or has no leaves);
+        a batch of ``rows`` samples, more than any slot holds so far (a batch sampler's batches
+        vary), first makes the pool's later slots that much longer."""
         shared = self.shared
         if shared.layout is None or shared.no_leaves:
             return None
         if shared.slots is None:
             shared.slots = SlotPool(shared.layout, self.slot_target, self.pool.register, self.spec.pin)
+        if rows > shared.slots.layout.rows:
+            shared.slots.grow_rows(rows)
         slot = shared.slots.acquire()
         for slot_id in shared.slots.take_retired():
             self._session.drop_slot(slot_id)
@@ -113,8 +118,8 @@ class DecodeStage:
         if self._learning() and not self.spec.batched_fetch:  # __getitems__ gets whole batches only
             # This batch teaches the layout: one sample first; its reply shows the layout, and
             # the rest of the batch is then written straight into a slot.
-            probe = await self._probe(seq, indices[0])
-        slot = self._slot()
+            probe = await self._probe(seq, indices[0], len(indices))
+        slot = self._slot(len(indices))
         layout = slot.layout if slot is not None else None
         size = self._chunk(len(indices))
         starts = list(range(0 if probe is None else 1, len(indices), size))
@@ -194,15 +199,16 @@ class DecodeStage:
             return self._assemble_chunks(slot, chunks)
         return self._assemble(slot, rows, rows_mode=True)
 
-    async def _probe(self, seq: int, index):
-        """Decode one sample without a slot and learn the layout from it."""
+    async def _probe(self, seq: int, index, batch_len: int):
+        """Decode one sample without a slot and learn the layout from it: slots of
+        ``batch_size`` rows, or of ``batch_len`` (this batch's length) under a batch sampler."""
         items = await self._read_items([index])
         if not items:
             return _NOTHING
         reply = await self._session.submit("rows", None, (items, 0, None), [index], seq)
         # Not timed: a worker's first sample pays for cold caches and lazy imports (8 ms
         # against 10 us for a 128-token row), which would cut the next batches into tiny tasks.
-        self._note_reply(reply, self.spec.batch_size or 1, timed=False)
+        self._note_reply(reply, self.spec.batch_size or batch_len, timed=False)
         self._note_mode(reply)
         return reply
 

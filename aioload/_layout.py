@@ -128,6 +128,10 @@ class Layout:
     def with_overflow(self, overflow: int) -> "Layout":
         return Layout(self.leaves, self.rows, overflow)
 
+    def with_rows(self, rows: int) -> "Layout":
+        """The same leaves for ``rows`` rows; the overflow area keeps its share per row."""
+        return Layout(self.leaves, rows, self.overflow * rows // max(1, self.rows))
+
     def describe(self) -> tuple:
         return (self.leaves, self.rows, self.overflow)
 

@@ -131,6 +131,15 @@ class SlotPool:
             if wanted > self.layout.overflow:
                 self.layout = self.layout.with_overflow(max(wanted, 2 * self.layout.overflow))
 
+    def grow_rows(self, rows: int) -> None:
+        """Make later slots hold at least ``rows`` samples (a batch sampler's batch longer than
+        any before), with a quarter to spare so that slowly growing batches do not remake the
+        slots every time. Slots of the old layout are freed as they come back."""
+        with self._lock:
+            old = self.layout
+            if rows > old.rows:
+                self.layout = old.with_rows(max(rows, old.rows + old.rows // 4))
+
     def take_retired(self) -> list[int]:
         with self._lock:
             retired, self._retired = self._retired, []

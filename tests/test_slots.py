@@ -58,6 +58,26 @@ def test_batches_view_the_slot_without_copy():
         del batches, images
 
 
+def test_a_batch_samplers_batches_of_any_length_view_the_slot():
+    # A batch sampler has no batch_size: slots are sized by the first batch, and a longer
+    # batch later makes longer slots rather than sending its tensors through the sockets.
+    lengths = [4, 8, 4, 13, 3, 30, 13]
+    starts = [sum(lengths[:k]) for k in range(len(lengths))]
+    batches = [list(range(s, s + n)) for s, n in zip(starts, lengths)]
+    dataset = Squares(sum(lengths))
+    with aioload.DataLoader(dataset, batch_sampler=batches, num_workers=2) as loader:
+        for _ in range(2):
+            got = list(loader)
+            assert [len(images) for images, _, _ in got] == lengths
+            for (images, labels, names), indices in zip(got, batches):
+                assert torch.equal(images[:, 0, 0], torch.tensor(indices, dtype=torch.float32))
+                assert labels.tolist() == indices and list(names) == [f"s{i}" for i in indices]
+            for images, _, _ in got[1:]:  # the first batch of the first epoch taught the layout
+                assert "memfd:aioload" in _mapping_of(images.data_ptr()), f"a batch of {len(images)} was copied"
+        assert loader._res.shared.slots.layout.rows >= max(lengths)
+    del got, images
+
+
 def test_retained_batches_are_never_overwritten():
     # list() keeps every batch: slots cannot be recycled under the consumer's feet.
     dataset = Squares(120)
