@@ -44,7 +44,7 @@ class DecodeStage:
         if shared.layout is None or shared.no_leaves:
             return None
         if shared.slots is None:
-            shared.slots = SlotPool(shared.layout, self.slot_target, self.pool.register, self.spec.pin)
+            shared.slots = SlotPool(shared.layout, self._permit_limit() + 1, self.pool.register, self.spec.pin)
         if rows > shared.slots.layout.rows:
             shared.slots.grow_rows(rows)
         slot = shared.slots.acquire()
@@ -72,6 +72,11 @@ class DecodeStage:
             per_sample = seconds / len(payloads)
             old = self.shared.per_sample_s
             self.shared.per_sample_s = per_sample if old is None else 0.8 * old + 0.2 * per_sample
+            # Quick batches (one task each, a few ms of decode) get more batches in flight; the
+            # margin keeps a batch time near the line from resizing the slot pool back and forth.
+            batch_s = self.shared.per_sample_s * rows
+            if batch_s <= WHOLE_BATCH_SECONDS or batch_s > 2 * WHOLE_BATCH_SECONDS:
+                self._note_quick(batch_s <= WHOLE_BATCH_SECONDS)
         if overflow_wanted and self.shared.slots is not None:
             self.shared.slots.grow_overflow(overflow_wanted * max(1, rows // max(1, len(payloads))))
 

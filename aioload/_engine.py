@@ -59,7 +59,7 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
     """One epoch on its own thread and loop: the loader starts it, the iterator stops it."""
 
     def __init__(self, spec: Spec, plan: Plan, pool: WorkerPool | None, shared: Shared,
-                 ready: ReadyQueue, stats: StatsRecorder, transfer=None, slot_target: int = 4):
+                 ready: ReadyQueue, stats: StatsRecorder, transfer=None):
         self.spec = spec
         self.plan = plan
         self.pool = pool
@@ -67,7 +67,6 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
         self.ready = ready
         self.stats = stats
         self.transfer = transfer
-        self.slot_target = slot_target
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -138,7 +137,7 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
 
     async def _entry(self, started: threading.Event) -> None:
         self._task = asyncio.current_task()
-        self._permits = Limiter(self.spec.permits)
+        self._permits = Limiter(self._permit_limit())
         self._io = Limiter(self.spec.io_concurrency)
         nowait = getattr(self.spec.dataset, "read_nowait", None)
         self._nowait = None if getattr(nowait, "__func__", None) is Dataset.read_nowait else nowait
@@ -155,6 +154,25 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
             self.ready.finish(total)
         finally:
             await self._release_holds()
+
+    def _permit_limit(self) -> int:
+        """Batches in flight plus ready: the tuner's number, or the spec's; more once batches
+        are known to be quick (:func:`aioload._pool.batches_in_flight`)."""
+        quick = self.shared.quick
+        if self.spec.tuner is not None:
+            self.spec.tuner.controller.quick = quick
+            return self.spec.tuner.controller.permits
+        return self.spec.permits_quick if quick and self.spec.permits_quick else self.spec.permits
+
+    def _note_quick(self, quick: bool) -> None:
+        """Batches turned out quick (or no longer are): resize the permits and the slot pool."""
+        if quick == self.shared.quick:
+            return
+        self.shared.quick = quick
+        limit = self._permit_limit()
+        self._permits.set_limit(limit)
+        if self.shared.slots is not None:
+            self.shared.slots.target = limit + 1
 
     async def _tuned(self) -> int:
         """The epoch, with the autotuner resizing the limits beside it when asked."""

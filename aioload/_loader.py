@@ -28,7 +28,7 @@ from aioload._errors import LoaderClosedError
 from aioload._inprocess import _InProcessIterator
 from aioload._iterator import _Iterator
 from aioload._monitor import Monitor, check_options
-from aioload._pool import WorkerPool, choose_context
+from aioload._pool import WorkerPool, batches_in_flight, choose_context
 from aioload._ready import ReadyQueue
 from aioload._resources import _LIVE, _Resources, _finalize_loader
 from aioload._sampling import EpochProgress, Planner, shard_sampler
@@ -147,7 +147,8 @@ class DataLoader:
         self._resume: dict | None = None  # a loaded state, applied by the next iteration
         self._progress: EpochProgress | None = None  # the epoch in progress, for state_dict()
         self._stats = StatsRecorder()
-        self._tuner = make_tuner(io_concurrency, self.queue_depth, self._torch.batch_size, num_workers, default_depth)
+        self._tuner = make_tuner(io_concurrency, self.queue_depth, self._torch.batch_size, num_workers,
+                                 default_depth, reads=is_split(dataset))
         self._monitor = None
         if log_every is not None or progress:
             self._monitor = Monitor(_weak_stats(self), log_every, progress)
@@ -297,11 +298,12 @@ class DataLoader:
         workers = max(1, self.num_workers)
         batch = t.batch_size or 1
         io, depth = self._limits()
-        inflight = max(2, workers, -(-io // batch))
+        reads = io if self._split else 0  # only a read stage needs batches in flight for its reads
         return Spec(
             dataset=self.dataset, split=self._split, mode=mode, batch_size=t.batch_size,
             num_workers=workers, io_concurrency=io,
-            permits=inflight + depth, in_order=self.in_order, on_error=self.on_error,
+            permits=batches_in_flight(workers, reads, batch, quick=False) + depth,
+            permits_quick=batches_in_flight(workers, reads, batch, quick=True) + depth, in_order=self.in_order, on_error=self.on_error,
             pin=self._pin, prefetch_tasks=(t.prefetch_factor or 2) * workers,
             describe=getattr(self.dataset, "describe", None), tuner=self._tuner,
             read_timeout=self.read_timeout, max_errors=self.max_errors, epoch_samples=epoch_samples(t),
@@ -350,8 +352,7 @@ class DataLoader:
         spec = self._spec()
         ready = ReadyQueue(self.in_order, plan.delivered)
         transfer = _device.Transfer(self._device) if self._device is not None else None
-        engine = Engine(spec, plan, pool, self._res.shared, ready, self._stats, transfer,
-                        slot_target=spec.permits + 1)
+        engine = Engine(spec, plan, pool, self._res.shared, ready, self._stats, transfer)
         engine.start()
         self._res.engine = engine
         iterator = _Iterator(self, engine, ready, transfer)

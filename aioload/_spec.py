@@ -21,7 +21,7 @@ class Spec:
     batch_size: int | None
     num_workers: int
     io_concurrency: int
-    permits: int
+    permits: int  # batches in flight plus queue_depth
     in_order: bool
     on_error: str
     pin: bool
@@ -33,6 +33,7 @@ class Spec:
     epoch_samples: int | None = None  # the base of a fractional max_errors
     auto_collation: bool = True  # False with batch_size=None: each index (even a list) is one sample
     batched_fetch: bool = False  # the dataset's __getitems__ gets each batch whole, as in torch
+    permits_quick: int = 0  # ``permits`` once batches are known to be quick (see _pool.batches_in_flight)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Shared:
     per_sample_s: float | None = None
     holds: set = field(default_factory=set)
     chunked: bool | None = None  # rows collated by chunk in the workers (see _chunks)
+    quick: bool = False  # a batch goes to one worker whole and decodes within WHOLE_BATCH_SECONDS
 
 
 class _Cancelled(Exception):

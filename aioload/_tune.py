@@ -25,6 +25,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from aioload._pool import batches_in_flight
+
 TICK_S = 0.25
 """How often the tuner samples the pipeline."""
 
@@ -87,12 +89,15 @@ class Controller:
 
     def __init__(self, *, batch_size: int, num_workers: int, io: int | None = None,
                  depth: int | None = None, memory_budget: int | None = None, start_io: int = START_IO,
-                 start_depth: int = START_DEPTH, max_io: int = MAX_IO, max_depth: int = MAX_DEPTH):
+                 start_depth: int = START_DEPTH, max_io: int = MAX_IO, max_depth: int = MAX_DEPTH,
+                 reads: bool = True):
         self.batch_size = max(1, batch_size)
         self.num_workers = max(1, num_workers)
         self.tune_io, self.tune_depth = io is None, depth is None
         self.io = start_io if io is None else io
         self.depth = start_depth if depth is None else depth
+        self.quick = False  # batches are quick: more of them in flight (set by the engine)
+        self.reads = reads  # the dataset has a read stage, which io reads in flight keep busy
         self._min_depth = self.depth
         self.memory_budget = default_memory_budget() if memory_budget is None else memory_budget
         self._io_ceiling = max_io
@@ -109,7 +114,7 @@ class Controller:
         return self._permits(self.io, self.depth)
 
     def _permits(self, io: int, depth: int) -> int:
-        return max(2, self.num_workers, -(-io // self.batch_size)) + depth
+        return batches_in_flight(self.num_workers, io if self.reads else 0, self.batch_size, self.quick) + depth
 
     @property
     def settled(self) -> bool:
@@ -246,14 +251,15 @@ def check_knob(name: str, value) -> None:
 
 
 def make_tuner(io_concurrency, queue_depth, batch_size: int | None, num_workers: int,
-               default_depth: int = START_DEPTH) -> Tuner | None:
+               default_depth: int = START_DEPTH, reads: bool = True) -> Tuner | None:
     """A tuner for a loader whose ``io_concurrency`` or ``queue_depth`` is ``"auto"``, else None.
-    Tuned knobs start from the fixed defaults (``default_depth`` is the loader's)."""
+    Tuned knobs start from the fixed defaults (``default_depth`` is the loader's); ``reads``
+    says whether the dataset has a read stage."""
     tune_io, tune_depth = is_auto(io_concurrency), is_auto(queue_depth)
     if not (tune_io or tune_depth):
         return None
     return Tuner(Controller(
         batch_size=batch_size or 1, num_workers=num_workers,
         io=None if tune_io else io_concurrency, depth=None if tune_depth else queue_depth,
-        start_depth=default_depth,
+        start_depth=default_depth, reads=reads,
     ))

@@ -47,6 +47,18 @@ class SlowReads(aioload.Dataset):
         return torch.arange(self.width) + raw, raw
 
 
+class SlowSquares(Squares):
+    """Squares whose every sample takes ``seconds`` of (sleeping) work."""
+
+    def __init__(self, n: int = 80, seconds: float = 0.005):
+        super().__init__(n)
+        self.seconds = seconds
+
+    def __getitem__(self, i):
+        time.sleep(self.seconds)
+        return super().__getitem__(i)
+
+
 class Varying(torch.utils.data.Dataset):
     """Sample i is a 1-D tensor of length (i % 5) + 1: shapes vary from sample to sample."""
 

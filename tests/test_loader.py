@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import aioload
+from aioload._pool import PER_WORKER_TASKS
 from tests.conftest import aioload_threads, child_pids
-from tests.datasets import FailsAt, SlowReads, Squares
+from tests.datasets import FailsAt, SlowReads, SlowSquares, Squares
 
 
 def flat_labels(batches, pos=1):
@@ -26,6 +27,37 @@ def test_every_sample_exactly_once_per_epoch(dataset, num_workers):
         for _ in range(2):
             labels = flat_labels(list(loader))
             assert sorted(labels) == list(range(len(dataset)))
+
+
+def _limits_seen(loader) -> tuple[int, list[tuple[int, int]]]:
+    """One epoch: samples delivered, and (permits, slot pool target) after every batch."""
+    samples, seen = 0, []
+    for batch in loader:
+        samples += len(batch[0])
+        slots = loader._res.shared.slots
+        seen.append((loader._res.engine._permits.limit, slots.target if slots is not None else None))
+    return samples, seen
+
+
+def test_quick_batches_get_more_batches_in_flight():
+    # Batches that decode in a few ms go to one worker whole; once that is measured, each
+    # worker gets PER_WORKER_TASKS of them in flight (queue_depth on top), and the slot pool
+    # keeps as many slots.
+    quick = 2 * PER_WORKER_TASKS + 2
+    with aioload.DataLoader(Squares(400), batch_size=8, num_workers=2, queue_depth=2) as loader:
+        samples, seen = _limits_seen(loader)
+        assert samples == 400 and loader._res.shared.quick
+        assert seen[-1] == (quick, quick + 1)  # 2 + 2 before the first batch was timed
+        samples, seen = _limits_seen(loader)  # the next epoch starts with them
+        assert samples == 400 and set(seen) == {(quick, quick + 1)}
+
+
+def test_slow_batches_keep_one_batch_per_worker_in_flight():
+    # 8 samples of 5 ms: a 40 ms batch is split across the workers; no more batches in flight.
+    with aioload.DataLoader(SlowSquares(80, 0.005), batch_size=8, num_workers=2, queue_depth=2) as loader:
+        samples, seen = _limits_seen(loader)
+        assert samples == 80 and not loader._res.shared.quick
+        assert {permits for permits, _ in seen} == {2 + 2}
 
 
 def test_out_of_order_delivery_still_delivers_everything_once():
