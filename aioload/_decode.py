@@ -44,7 +44,7 @@ class DecodeStage:
         if shared.layout is None or shared.no_leaves:
             return None
         if shared.slots is None:
-            shared.slots = SlotPool(shared.layout, self._permit_limit() + 1, self.pool.register, self.spec.pin)
+            shared.slots = SlotPool(shared.layout, self._permits.limit + 1, self.pool.register, self.spec.pin)
         if rows > shared.slots.layout.rows:
             shared.slots.grow_rows(rows)
         slot = shared.slots.acquire()

@@ -35,7 +35,7 @@ from aioload._limiter import Limiter
 from aioload._pool import PoolSession, WorkerPool
 from aioload._reads import ReadStage
 from aioload._ready import SKIP, ReadyQueue
-from aioload._spec import Failure, Plan, Ready, Shared, Spec, _Cancelled
+from aioload._spec import Failure, Plan, Ready, Shared, Spec, _Cancelled, resize_permits
 from aioload._stats import StatsRecorder
 from aioload._stuck import StuckReport
 
@@ -158,21 +158,18 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
     def _permit_limit(self) -> int:
         """Batches in flight plus ready: the tuner's number, or the spec's; more once batches
         are known to be quick (:func:`aioload._pool.batches_in_flight`)."""
-        quick = self.shared.quick
         if self.spec.tuner is not None:
-            self.spec.tuner.controller.quick = quick
             return self.spec.tuner.controller.permits
-        return self.spec.permits_quick if quick and self.spec.permits_quick else self.spec.permits
+        return self.spec.permits_quick if self.shared.quick else self.spec.permits
 
     def _note_quick(self, quick: bool) -> None:
         """Batches turned out quick (or no longer are): resize the permits and the slot pool."""
         if quick == self.shared.quick:
             return
         self.shared.quick = quick
-        limit = self._permit_limit()
-        self._permits.set_limit(limit)
-        if self.shared.slots is not None:
-            self.shared.slots.target = limit + 1
+        if self.spec.tuner is not None:
+            self.spec.tuner.controller.quick = quick
+        resize_permits(self._permits, self.shared, self._permit_limit())
 
     async def _tuned(self) -> int:
         """The epoch, with the autotuner resizing the limits beside it when asked."""

@@ -298,12 +298,12 @@ class DataLoader:
         workers = max(1, self.num_workers)
         batch = t.batch_size or 1
         io, depth = self._limits()
-        reads = io if self._split else 0  # only a read stage needs batches in flight for its reads
         return Spec(
             dataset=self.dataset, split=self._split, mode=mode, batch_size=t.batch_size,
             num_workers=workers, io_concurrency=io,
-            permits=batches_in_flight(workers, reads, batch, quick=False) + depth,
-            permits_quick=batches_in_flight(workers, reads, batch, quick=True) + depth, in_order=self.in_order, on_error=self.on_error,
+            permits=batches_in_flight(workers, io, batch, reads=self._split, quick=False) + depth,
+            permits_quick=batches_in_flight(workers, io, batch, reads=self._split, quick=True) + depth,
+            in_order=self.in_order, on_error=self.on_error,
             pin=self._pin, prefetch_tasks=(t.prefetch_factor or 2) * workers,
             describe=getattr(self.dataset, "describe", None), tuner=self._tuner,
             read_timeout=self.read_timeout, max_errors=self.max_errors, epoch_samples=epoch_samples(t),

@@ -26,17 +26,18 @@ PER_WORKER_TASKS = 2
 """Tasks queued on one worker: one being decoded, one waiting, so a worker never idles."""
 
 
-def batches_in_flight(workers: int, io: int, batch_size: int, quick: bool) -> int:
+def batches_in_flight(workers: int, io: int, batch_size: int, *, reads: bool, quick: bool) -> int:
     """Batches allowed between the sampler and the ready queue (``queue_depth`` comes on
-    top): at least one per worker, and enough to keep ``io`` reads busy (``io`` is 0 for a
-    dataset without a read stage: there are no reads to keep busy). Once batches are
+    top): at least one per worker, and, for a dataset with a read stage (``reads``), enough
+    to keep ``io`` reads busy. Once batches are
     known to be *quick* (each goes to one worker whole and decodes in a few milliseconds),
     ``PER_WORKER_TASKS`` per worker: a finished batch then holds its permit until the
     engine's thread has handed it over, and with one batch per worker the worker would often
     find nothing queued when it finishes the next (measured: idle 10-22 % of the time on
     128-token rows, 2 workers)."""
     per_worker = PER_WORKER_TASKS if quick else 1
-    return max(2, workers * per_worker, -(-io // max(1, batch_size)))
+    for_reads = -(-io // max(1, batch_size)) if reads else 0
+    return max(2, workers * per_worker, for_reads)
 
 
 def choose_context(multiprocessing_context) -> mp.context.BaseContext:

@@ -22,6 +22,7 @@ class Spec:
     num_workers: int
     io_concurrency: int
     permits: int  # batches in flight plus queue_depth
+    permits_quick: int  # ``permits`` once batches are known to be quick (see _pool.batches_in_flight)
     in_order: bool
     on_error: str
     pin: bool
@@ -33,7 +34,6 @@ class Spec:
     epoch_samples: int | None = None  # the base of a fractional max_errors
     auto_collation: bool = True  # False with batch_size=None: each index (even a list) is one sample
     batched_fetch: bool = False  # the dataset's __getitems__ gets each batch whole, as in torch
-    permits_quick: int = 0  # ``permits`` once batches are known to be quick (see _pool.batches_in_flight)
 
 
 @dataclass
@@ -75,6 +75,15 @@ class Shared:
     holds: set = field(default_factory=set)
     chunked: bool | None = None  # rows collated by chunk in the workers (see _chunks)
     quick: bool = False  # a batch goes to one worker whole and decodes within WHOLE_BATCH_SECONDS
+
+
+def resize_permits(permits, shared: Shared | None, limit: int) -> None:
+    """Allow ``limit`` batches between the sampler and the consumer (``permits``, a Limiter)
+    and keep as many free slots, plus one for the batch being filled."""
+    permits.set_limit(limit)
+    slots = getattr(shared, "slots", None)
+    if slots is not None:
+        slots.target = limit + 1
 
 
 class _Cancelled(Exception):

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from aioload._pool import batches_in_flight
+from aioload._spec import resize_permits
 
 TICK_S = 0.25
 """How often the tuner samples the pipeline."""
@@ -114,7 +115,7 @@ class Controller:
         return self._permits(self.io, self.depth)
 
     def _permits(self, io: int, depth: int) -> int:
-        return batches_in_flight(self.num_workers, io if self.reads else 0, self.batch_size, self.quick) + depth
+        return batches_in_flight(self.num_workers, io, self.batch_size, reads=self.reads, quick=self.quick) + depth
 
     @property
     def settled(self) -> bool:
@@ -223,10 +224,7 @@ class Tuner:
     def apply(self, io, permits, shared) -> None:
         c = self.controller
         io.set_limit(c.io)
-        permits.set_limit(c.permits)
-        slots = getattr(shared, "slots", None)
-        if slots is not None:
-            slots.target = c.permits + 1
+        resize_permits(permits, shared, c.permits)
 
 
 def _window(seconds: float, base: tuple, totals: tuple, workers: int, shared) -> Window:
