@@ -3,7 +3,11 @@ io_concurrency or in_order."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +21,7 @@ from tests.random_data import Augmented, BatchedAugmented, Keyed, KeySampler, Pl
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 EPOCHS = 2
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(dataset, epochs: int = EPOCHS, **kwargs) -> list[list[torch.Tensor]]:
@@ -85,7 +90,18 @@ def test_string_keys_seed_the_same_in_a_fresh_interpreter():
     expected = run(Keyed(), epochs=1, num_workers=0, **kwargs)
     got = run(Keyed(), epochs=1, num_workers=2, multiprocessing_context="forkserver", **kwargs)
     assert_same(expected, got)
-    assert sample_seed(1, "k3") == sample_seed(1, "k3") != sample_seed(1, "k4")
+    assert sample_seed(1, "k3") != sample_seed(1, "k4")
+
+
+def test_a_string_keys_seed_does_not_depend_on_the_hash_salt():
+    code = "from aioload._seeding import sample_seed; print(sample_seed(1, 'k3'), sample_seed(1, ('k', 3)))"
+    seen = set()
+    for salt in ("1", "2", "3"):
+        env = dict(os.environ, PYTHONHASHSEED=salt, PYTHONPATH=str(ROOT))
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        seen.add(done.stdout.strip())
+    assert seen == {f"{sample_seed(1, 'k3')} {sample_seed(1, ('k', 3))}"}
 
 
 def test_epochs_differ_and_set_epoch_replays():

@@ -1,10 +1,16 @@
+import inspect
+
 import aioload
 
 
 def test_all_is_sorted_and_complete():
     assert aioload.__all__ == sorted(aioload.__all__)
+    assert len(set(aioload.__all__)) == len(aioload.__all__)
     for name in aioload.__all__:
-        assert getattr(aioload, name) is not None
+        value = getattr(aioload, name)  # resolves (lazily exported names too)
+        module = value.__name__ if inspect.ismodule(value) else value.__module__
+        assert module.startswith("aioload."), f"aioload.{name} is {module}'s, not aioload's own"
+        assert inspect.getdoc(value), f"aioload.{name} has no docstring"
     public = {n for n in dir(aioload) if not n.startswith("_")}
     modules = {"images", "transforms"}
     assert public - modules - {"annotations"} <= set(aioload.__all__) | modules

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,8 @@ import torch
 import aioload
 from tests.conftest import child_pids
 from tests.datasets import Mixed, Numbers, Squares, Varying, pad_collate
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def memfds() -> list[str]:
@@ -220,10 +225,17 @@ def _pinned_pool(target: int, copies: list, monkeypatch):
     return pool, acquire
 
 
-def test_a_pinned_slot_is_reused_only_after_the_copy_out_of_it_finished(monkeypatch):
-    from aioload._slots import cuda_fence
+def test_no_fence_is_made_while_cuda_is_not_in_use():
+    # A process that never touched CUDA (none visible here, whatever the machine) has no copy
+    # that could be reading a slot: releasing one must not initialise CUDA to make an event.
+    code = ("import torch; from aioload._slots import cuda_fence; "
+            "assert cuda_fence() is None; assert not torch.cuda.is_initialized(); print('ok')")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
-    assert cuda_fence() is None, "no CUDA in use in this process: nothing to wait for"
+
+def test_a_pinned_slot_is_reused_only_after_the_copy_out_of_it_finished(monkeypatch):
     copies: list = []
     pool, acquire = _pinned_pool(4, copies, monkeypatch)
     first = acquire()
@@ -231,9 +243,10 @@ def test_a_pinned_slot_is_reused_only_after_the_copy_out_of_it_finished(monkeypa
     second = acquire()
     assert second.id != first.id, "a slot whose copy is pending was handed out again"
     copies[0].done = True
-    pool.release(second)
-    assert {acquire().id} <= {first.id, second.id}
-    assert not copies[0].waited, "a pool with room must not wait for the device"
+    pool.release(second)  # its own copy is still queued: it cools in turn
+    assert acquire().id == first.id, "the slot whose copy finished is the one handed out again"
+    assert acquire().id not in (first.id, second.id), "a slot whose copy is pending was handed out"
+    assert not copies[0].waited and not copies[1].waited, "a pool with room must not wait for the device"
     pool.close()
 
 
