@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import sys
 import time
 
@@ -66,8 +67,10 @@ def test_read_latency_and_exact_counts():
         s = loader.stats()
     assert (s.batches, s.samples, s.epochs, s.reads, s.decoded) == (8, 32, 2, 32, 32)
     assert s.bytes_read == 32 * PAYLOAD
-    # the event loop's timers have millisecond resolution: a sleep may end up to 1 ms early
-    assert READ_S * 1e3 - 1 <= s.read_p50_ms <= s.read_p99_ms < READ_S * 1e3 + 500
+    # every read sleeps READ_S: a lower bound on each (the event loop's timers have millisecond
+    # resolution, so a sleep may end up to 1 ms early); no upper bound, this machine is shared
+    assert READ_S * 1e3 - 1 <= s.read_p50_ms <= s.read_p99_ms
+    assert s.read_s >= 32 * (READ_S - 1e-3)
     assert s.reads_in_flight == 0
     assert s.skipped == () and s.worker_restarts == 0
     assert s.num_workers == 2 and s.io_concurrency == 64
@@ -119,14 +122,17 @@ def test_shared_memory_and_queue_occupancy():
 
 def test_async_iteration_is_counted_too():
     async def main():
+        steps = []
         with aioload.DataLoader(Timed(12, read_s=READ_S), batch_size=4, num_workers=1) as loader:
             async for _ in loader:
+                started = time.monotonic()
                 await asyncio.sleep(0.05)  # the training step
-            return loader.stats()
+                steps.append(time.monotonic() - started)
+            return loader.stats(), steps
 
-    s = asyncio.run(main())
+    s, steps = asyncio.run(main())
     assert (s.batches, s.samples, s.epochs, s.reads, s.decoded) == (3, 12, 1, 12, 12)
-    assert s.elapsed_s >= 2 * 0.05  # the steps after the first batch are inside the clock
+    assert s.elapsed_s >= sum(steps[:-1])  # the steps after the first batch are inside the clock
     assert s.verdict.startswith("not data-bound")
 
 
@@ -228,8 +234,11 @@ def test_log_every_emits_a_record(caplog):
                                 log_every=0.01) as loader:
             drain(loader)
     records = [r for r in caplog.records if r.name == "aioload" and "samples/s" in r.getMessage()]
-    assert records
-    assert any("data-bound" in r.getMessage() for r in records)
+    # 20 ms reads, one at a time, and a consumer that only waits: each line after the first
+    # batch says data-bound (and none says "not data-bound")
+    judged = [r.getMessage() for r in records if "only the first batch" not in r.getMessage()]
+    assert judged
+    assert all(re.search(r"(?<!not )\bdata-bound\b", m) for m in judged), judged
 
 
 def test_progress_bar(capsys):
@@ -386,8 +395,9 @@ def test_auto_grows_io_concurrency_on_slow_reads():
         assert loader.io_concurrency == "auto"
         start = loader.stats().io_concurrency
         assert start == 64
-        deadline = time.monotonic() + 60
-        while loader.stats().io_concurrency <= start:
-            assert time.monotonic() < deadline, f"io_concurrency stayed at {start}: {loader.stats()}"
+        for _ in range(20):  # a bound on epochs, not on time
             assert sorted(drain(loader)) == list(range(n))
+            if loader.stats().io_concurrency > start:
+                break
+        assert loader.stats().io_concurrency > start, f"io_concurrency stayed at {start}: {loader.stats()}"
         assert "auto" in repr(loader)
