@@ -141,22 +141,27 @@ def load_example():
     return module
 
 
-def expected_digests(example, root, steps: int) -> dict[tuple[int, int], str]:
-    """What each rank's step should see, computed here without torch.distributed: the same
-    dataset through a ShardSampler for that rank."""
+def expected_digests(example, root, steps: int, batch_size: int = 8) -> dict[tuple[int, int], str]:
+    """What each rank's step should see, computed here without torch.distributed and without
+    aioload's sharding: every epoch's samples from one unsharded loader (seed=0; a sample's crop
+    is seeded by its index, so it is the same whichever batch it lands in), split by hand as
+    DistributedSampler splits them: cut to a multiple of 2, rank r takes every second from r."""
     args = example.argparse.Namespace(data=str(root), image_size=64)
+    ds = example.dataset(args)
+    per_rank = len(ds) // 2
+    steps_per_epoch = per_rank // batch_size
     out = {}
-    for rank in range(2):
-        ds = example.dataset(args)
-        sampler = ShardSampler(len(ds), rank, 2, shuffle=True, drop_last=True, seed=0)
-        with aioload.DataLoader(ds, batch_size=8, sampler=sampler, drop_last=True, seed=0) as loader:
-            step = 0
-            while step < steps:
-                for images, labels in loader:
-                    step += 1
-                    out[rank, step] = example.digest(images, labels)
-                    if step == steps:
-                        break
+    with aioload.DataLoader(ds, batch_size=None, shuffle=True, seed=0) as loader:
+        for epoch in range(math.ceil(steps / steps_per_epoch)):
+            samples = list(loader)[: 2 * per_rank]
+            for rank in range(2):
+                mine = samples[rank::2]
+                for b in range(steps_per_epoch):
+                    step = epoch * steps_per_epoch + b + 1
+                    chunk = mine[b * batch_size : (b + 1) * batch_size]
+                    if step <= steps:
+                        out[rank, step] = example.digest(torch.stack([image for image, _ in chunk]),
+                                                         torch.tensor([label for _, label in chunk]))
     return out
 
 

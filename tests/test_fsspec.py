@@ -18,6 +18,7 @@ from torchvision.transforms import v2
 
 import aioload
 from aioload import _scope
+from tests.reference import pil_image
 
 
 def open_sessions() -> list:
@@ -32,7 +33,7 @@ def local_files(root) -> list[str]:
 
 def decoded(path, transform) -> torch.Tensor:
     with open(path, "rb") as f:
-        return transform(aioload.decode_image(f.read()))
+        return transform(pil_image(f.read()))
 
 
 # -- memory:// --------------------------------------------------------------------------------

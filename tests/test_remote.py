@@ -8,6 +8,7 @@ import gc
 import os
 import pickle
 import re
+import time
 
 import aiohttp
 import pytest
@@ -18,6 +19,7 @@ import aioload
 from aioload import _scope
 from aioload._retry import parse_retry_after
 from tests.httpserver import Server, Status
+from tests.reference import pil_image
 
 FAST = aioload.RetryPolicy(attempts=4, backoff=0.001, max_delay=0.01, timeout=10)
 
@@ -264,7 +266,7 @@ def test_blocking_read_of_a_url_works_inside_and_outside_a_loop(server, files):
 
 # -- the loader over URLs ---------------------------------------------------------------------
 def expected_images(root, names, transform):
-    return [transform(aioload.decode_image((root / n).read_bytes())) for n in names]
+    return [transform(pil_image((root / n).read_bytes())) for n in names]
 
 
 def test_loader_over_flaky_urls_delivers_every_sample_exactly_once(image_server, image_root):
@@ -306,13 +308,16 @@ def test_loader_surfaces_the_final_error_with_index_and_url(image_server, image_
 
 def test_breaking_out_with_requests_in_flight_closes_the_session(image_server, image_root):
     names = image_names(image_root)
-    image_server.latency = 0.2
+    for name in names[4:]:  # every read after the first batch's hangs until its client goes away
+        image_server.script(name, "hang")
     ds = aioload.ImageFiles([image_server.url(n) for n in names], transform=v2.CenterCrop(32))
     with aioload.DataLoader(ds, batch_size=4, num_workers=2, io_concurrency=16) as loader:
-        for i, _ in enumerate(loader):
-            if i == 1:  # the first batch goes alone (it teaches the layout), then reads fan out
-                break
-    assert image_server.peak > 4  # reads were still in flight when the epoch was stopped
+        for _ in loader:
+            deadline = time.monotonic() + 60  # a hang guard: the reads fan out at once
+            while image_server.peak <= 4:
+                assert time.monotonic() < deadline, "the reads after the first batch never reached the server"
+                time.sleep(0.01)
+            break  # with more than 4 reads held by the server
     assert open_sessions() == [] and _scope.open_scopes() == 0
 
 
