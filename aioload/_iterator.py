@@ -12,6 +12,7 @@ import anyio
 from aioload import _device
 from aioload._compat import _len_called, _warn_iterable_length
 from aioload._errors import DataLoaderTimeoutError, LoaderClosedError
+from aioload._gpudecode import DecodeTransfer
 from aioload._inprocess import _AllSkipped, _decode_in_process
 from aioload._ready import EndOfEpoch
 from aioload._spec import Failure, Ready, _Cancelled
@@ -96,6 +97,8 @@ class _Iterator:
         loader = self._loader
         if item.raw is not None:
             batch = _decode_in_process(loader, item, self._engine.budget)
+            if isinstance(self._transfer, DecodeTransfer):  # encoded images, decoded here
+                batch = self._transfer.finish(batch)
         else:
             batch = item.batch
         if item.event is not None:

@@ -25,6 +25,7 @@ from aioload._compat import _warn_as_torch_iterator
 from aioload._dataset import is_split
 from aioload._engine import Engine
 from aioload._errors import LoaderClosedError
+from aioload import _gpudecode
 from aioload._inprocess import _InProcessIterator
 from aioload._iterator import _Iterator
 from aioload._monitor import Monitor, check_options
@@ -103,6 +104,10 @@ class DataLoader:
         self._shard = shard_sampler(shard, dataset, sampler, batch_sampler, shuffle, drop_last, seed)
         if self._shard is not None:
             sampler, shuffle = self._shard, None
+        # A dataset that decodes on the GPU delivers encoded images, which do not stack.
+        self._decode_on = _gpudecode.decode_device_of(dataset)
+        if self._decode_on is not None and collate_fn is None:
+            collate_fn = _gpudecode.collate_encoded
         # torch's own constructor validates every torch argument and builds the samplers.
         self._torch = torch.utils.data.DataLoader(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, False,
@@ -153,8 +158,10 @@ class DataLoader:
         if log_every is not None or progress:
             self._monitor = Monitor(_weak_stats(self), log_every, progress)
         self._res = _Resources()
+        if self._decode_on is not None:
+            _gpudecode.check_loader_device(self._decode_on, None if device is None else torch.device(device))
         self._device = _device.resolve_device(device)
-        self._pin = (pin_memory or self._device is not None) and _device.pin_available()
+        self._pin = (pin_memory or self._device is not None or self._decode_on is not None) and _device.pin_available()
         self._iterated = False  # torch warns about pinning and worker counts per iterator it makes
         self._split = is_split(dataset)
         self._iterable = isinstance(dataset, IterableDataset)
@@ -351,8 +358,14 @@ class DataLoader:
         pool = self._pool(plan.base_seed) if self.num_workers > 0 else None
         spec = self._spec()
         ready = ReadyQueue(self.in_order, plan.delivered)
-        transfer = _device.Transfer(self._device) if self._device is not None else None
+        transfer: _device.Transfer | _gpudecode.DecodeTransfer | None = None
+        if self._decode_on is not None:
+            transfer = _gpudecode.DecodeTransfer(self._decode_on, self.dataset, plan.base_seed)
+        elif self._device is not None:
+            transfer = _device.Transfer(self._device)
         engine = Engine(spec, plan, pool, self._res.shared, ready, self._stats, transfer)
+        if isinstance(transfer, _gpudecode.DecodeTransfer):
+            transfer.budget = engine.budget
         engine.start()
         self._res.engine = engine
         iterator = _Iterator(self, engine, ready, transfer)

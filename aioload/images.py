@@ -24,6 +24,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_a
 from aioload import _fsspec
 from aioload._cache import MemoryCache
 from aioload._diskcache import DiskCache
+from aioload._gpudecode import check_decode_device, encoded_payload
 from aioload._dataset import NOT_READY, Dataset
 from aioload._mounts import is_network
 from aioload._storage import Storage, locate, read_bytes_blocking
@@ -80,9 +81,10 @@ class _Images(Dataset):
     """
 
     def _setup(self, locations: Sequence[str], targets, transform, target_transform, decode_size,
-               storage: Storage | None, cache, read_in: str = "auto") -> None:
+               storage: Storage | None, cache, read_in: str = "auto", decode_device=None) -> None:
         if read_in not in ("auto", "loop", "worker"):
             raise ValueError(f"read_in must be 'auto', 'loop' or 'worker', got {read_in!r}")
+        self.decode_device = check_decode_device(decode_device)
         self.transform = transform
         self.target_transform = target_transform
         self.decode_size = decode_size
@@ -105,10 +107,17 @@ class _Images(Dataset):
     def _target(self, index: int):
         return None if self._targets is None else self._targets[index].item()
 
-    async def read(self, index: int) -> tuple[bytes | _LocalFile, Any]:
+    async def read(self, index: int) -> tuple:
         if self._read_in_worker:
-            return _LocalFile(self.path(index)), self._target(index)
-        return await self.storage.read_bytes(self.path(index)), self._target(index)
+            return self._raw(_LocalFile(self.path(index)), index)
+        return self._raw(await self.storage.read_bytes(self.path(index)), index)
+
+    def _raw(self, data, index: int) -> tuple:
+        """The raw item: ``(data, target)``; with ``decode_device``, the index goes along too
+        (the device stage seeds each sample's transform by it)."""
+        if self.decode_device is not None:
+            return data, self._target(index), index
+        return data, self._target(index)
 
     def read_nowait(self, index: int) -> tuple[_LocalFile, Any] | Any:
         # only while ``read`` is this class's own: a subclass that adds work to its reads
@@ -120,13 +129,20 @@ class _Images(Dataset):
     def _local_file(self, index: int) -> tuple[_LocalFile, Any] | Any:
         """The raw item of a file the worker reads itself, or ``NOT_READY``."""
         if self._read_in_worker:
-            return _LocalFile(self.path(index)), self._target(index)
+            return self._raw(_LocalFile(self.path(index)), index)
         return NOT_READY
 
     def read_blocking(self, index: int) -> tuple[bytes, Any]:
         return self.storage.read_bytes_blocking(self.path(index)), self._target(index)
 
-    def decode(self, raw: tuple[bytes | _LocalFile, Any]) -> Any:
+    def decode(self, raw: tuple) -> Any:
+        if len(raw) == 3:  # decode_device: a JPEG goes to the GPU as it is (see aioload._gpudecode)
+            data, target, index = raw
+            if isinstance(data, _LocalFile):
+                data = read_bytes_blocking(data.path)
+            if self._targets is not None and self.target_transform is not None:
+                target = self.target_transform(target)
+            return encoded_payload(data, decode_image), target, index
         data, target = raw
         if isinstance(data, _LocalFile):
             data = read_bytes_blocking(data.path)
@@ -193,13 +209,20 @@ class ImageFolder(_Images):
     local disk in the worker that decodes them (the cheapest place: no main-process CPU, no
     bytes through a socket) and files on a network file system on the event loop, many in
     flight; ``"loop"`` or ``"worker"`` force one or the other.
+
+    ``decode_device="cuda"``: decode JPEGs on the GPU, for nodes whose CPUs cannot keep up.
+    Workers (or, with ``num_workers=0``, the read stage) deliver each batch's encoded JPEGs;
+    the loader decodes them in one batched nvJPEG call on a side stream, runs ``transform`` on
+    the device (it must give every image one size) and delivers ``(images, targets)`` on the
+    device. Other formats, and files nvJPEG rejects, are decoded on the CPU; ``decode_size``
+    does not apply. ``dataset[i]`` still decodes on the CPU. See ``docs/gpu.md``.
     """
 
     def __init__(self, root: str | os.PathLike, transform: Callable | None = None,
                  target_transform: Callable | None = None, *, is_valid_file: Callable[[str], bool] | None = None,
                  allow_empty: bool = False, decode_size: tuple[int, int] | None = None,
                  cache: MemoryCache | DiskCache | None = None, storage: Storage | None = None,
-                 read_in: str = "auto"):
+                 read_in: str = "auto", decode_device: str | torch.device | None = None):
         self.root = os.fspath(root)
         extensions = IMG_EXTENSIONS if is_valid_file is None else None
         kind, where = locate(self.root)
@@ -216,7 +239,7 @@ class ImageFolder(_Images):
         self.extensions = extensions
         targets = np.array([t for _, t in samples], dtype=np.int64)
         self._setup([p for p, _ in samples], targets, transform, target_transform, decode_size, storage, cache,
-                    read_in)
+                    read_in, decode_device)
 
     @property
     def samples(self) -> list[tuple[str, int]]:
@@ -269,13 +292,15 @@ class ImageFiles(_Images):
     without; ``image`` is a uint8 ``(3, H, W)`` RGB tensor as in :class:`ImageFolder`.
     ``decode_size``, ``transform`` and ``target_transform`` work as there. ``cache=`` keeps
     raw bytes for later epochs; ``storage=`` (an :class:`aioload.Storage`) sets retries,
-    timeouts, connections and headers instead.
+    timeouts, connections and headers instead. ``decode_device="cuda"`` decodes JPEGs on the
+    GPU, as in :class:`ImageFolder`.
     """
 
     def __init__(self, paths_or_urls: Sequence[str | os.PathLike], labels: Sequence[Any] | None = None,
                  transform: Callable | None = None, target_transform: Callable | None = None,
                  decode_size: tuple[int, int] | None = None, *, cache: MemoryCache | DiskCache | None = None,
-                 storage: Storage | None = None, read_in: str = "auto"):
+                 storage: Storage | None = None, read_in: str = "auto",
+                 decode_device: str | torch.device | None = None):
         if isinstance(paths_or_urls, (str, bytes, os.PathLike)):
             raise TypeError("paths_or_urls must be a sequence of paths or URLs, not a single one: "
                             "wrap it in a list, or use aioload.ImageFolder for a folder")
@@ -288,7 +313,8 @@ class ImageFiles(_Images):
                                  f"for {len(locations)} paths")
             if targets.dtype.kind not in "biuf":
                 raise TypeError(f"labels must be numbers (class indices), got dtype {targets.dtype}")
-        self._setup(locations, targets, transform, target_transform, decode_size, storage, cache, read_in)
+        self._setup(locations, targets, transform, target_transform, decode_size, storage, cache, read_in,
+                    decode_device)
 
     @property
     def targets(self) -> list | None:
