@@ -1,4 +1,5 @@
-"""HTTP reads against hostile servers on 127.0.0.1.
+"""HTTP reads against hostile servers on 127.0.0.1, and the repository's own test server held to
+the rules of any server.
 
 The hostile servers are aiohttp.web applications run by each test on its own event loop, next to
 the client: a gzip bomb, bodies over the limit (with and without Content-Length), an endless
@@ -11,8 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import http.client
+import json
+import os
 import re
+import select
+import signal
 import socket
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -21,6 +29,7 @@ from aiohttp import web
 import aioload
 from aioload import _http
 from aioload._retry import parse_retry_after
+from tests.httpserver import REPO, Server
 
 FAST = aioload.RetryPolicy(attempts=3, backoff=0.001, max_delay=0.01, timeout=30)
 ONCE = aioload.RetryPolicy(attempts=1, timeout=30)
@@ -380,3 +389,79 @@ def test_storage_validates_the_http_limits():
         aioload.Storage(redirects="all")
     storage = aioload.Storage()
     assert (storage.max_bytes, storage.decompress, storage.redirects) == (1 << 30, False, "same-origin")
+
+
+# -- the repository's test server ------------------------------------------------------------
+@pytest.fixture
+def served(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "ok.bin").write_bytes(b"inside")
+    (tmp_path / "secret.txt").write_bytes(b"SECRET")
+    os.symlink(tmp_path / "secret.txt", root / "link")
+    with Server(root) as srv:
+        yield srv, tmp_path / "secret.txt"
+
+
+def raw_request(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path, body=body)  # the path goes out byte for byte, unnormalised
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_the_test_server_serves_nothing_outside_its_folder(served):
+    srv, secret = served
+    assert raw_request(srv.port, "GET", "/ok.bin") == (200, b"inside")
+    for path in ["/../secret.txt", "/%2e%2e/secret.txt", "/..%2fsecret.txt", "/..%2Fsecret.txt",
+                 f"/{secret}", f"/%2f{str(secret)[1:]}", "/ok.bin/../../secret.txt", "/..\\secret.txt",
+                 "/./ok.bin", "/"]:
+        assert raw_request(srv.port, "GET", path) == (400, b"bad path"), path
+    assert raw_request(srv.port, "GET", "/link") == (404, b"not found")  # a symlink out of the folder
+
+
+def test_the_test_server_takes_only_the_control_requests_it_knows(served):
+    srv, _ = served
+    bad = [("script", b"not json"), ("script", b'{"name": 5, "faults": []}'),
+           ("script", b'{"name": "ok.bin", "faults": "abc"}'), ("script", b'{"name": "ok.bin", "faults": [999]}'),
+           ("script", b'{"name": "ok.bin", "faults": ["explode"]}'),
+           ("script", b'{"name": "ok.bin", "faults": [{"status": "500", "retry_after": null}]}'),
+           ("script", b'{"name": "ok.bin", "faults": [503], "extra": 1}'),
+           ("latency", b"NaN"), ("latency", b'"0.1"'), ("latency", b"-1"), ("latency", b"true"),
+           ("latency", b"3600"), ("state", b"{}"), ("reboot", b"null")]
+    for op, body in bad:
+        status, _ = raw_request(srv.port, "POST", f"/_control/{op}", body)
+        assert status == 400, (op, body)
+    state = json.loads(raw_request(srv.port, "POST", "/_control/state", b"null")[1])
+    assert state["latency"] == 0.0
+    assert raw_request(srv.port, "GET", "/ok.bin") == (200, b"inside")  # no fault was queued
+    srv.script("ok.bin", 503)  # what Server sends is still taken
+    assert raw_request(srv.port, "GET", "/ok.bin")[0] == 503
+
+
+def test_the_test_server_ends_when_its_parent_is_killed(tmp_path):
+    code = ("import sys, time\nfrom tests.httpserver import Server\n"
+            "srv = Server(sys.argv[1]).start()\nprint(srv._proc.pid, srv.port, flush=True)\ntime.sleep(600)\n")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, text=True)
+    pidfd = None
+    try:
+        pid, port = map(int, parent.stdout.readline().split())
+        pidfd = os.pidfd_open(pid)  # readable once the server process has exited
+        assert select.select([pidfd], [], [], 0)[0] == []
+        parent.kill()  # SIGKILL: no cleanup runs in the parent
+        parent.wait(30)
+        exited = select.select([pidfd], [], [], 60)[0] == [pidfd]  # 60 s: a hang guard only
+        if not exited:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        assert exited, "the server outlived its parent"
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        parent.stdout.close()
+        if pidfd is not None:
+            os.close(pidfd)
