@@ -58,16 +58,20 @@ async def _filesystem(owner, protocol: str, options: dict[str, Any]):
 
 
 async def read(owner, url: str, options: dict[str, Any], timeout: float, start: int | None = None,
-               end: int | None = None) -> bytes:
-    """One attempt at reading ``url`` (bytes ``start:end``), classified for the retry loop."""
+               end: int | None = None, max_bytes: int | None = None) -> bytes:
+    """One attempt at reading ``url`` (bytes ``start:end``), classified for the retry loop.
+
+    More than ``max_bytes`` fails as an HTTP body would, once the bytes have arrived (the
+    filesystem's own client reads them)."""
     protocol, path = split(url)
     fs = await _filesystem(owner, protocol, options)
     try:
         async with asyncio.timeout(timeout):
             if getattr(fs, "async_impl", False):
-                return await fs._cat_file(path, start=start, end=end)
-            call = functools.partial(fs.cat_file, path, start=start, end=end)
-            return await asyncio.get_running_loop().run_in_executor(None, call)
+                data = await fs._cat_file(path, start=start, end=end)
+            else:
+                call = functools.partial(fs.cat_file, path, start=start, end=end)
+                data = await asyncio.get_running_loop().run_in_executor(None, call)
     except FileNotFoundError as exc:
         raise Permanent(f"not found: {exc}", missing=True) from exc
     except (PermissionError, IsADirectoryError, NotADirectoryError, ValueError) as exc:
@@ -76,6 +80,10 @@ async def read(owner, url: str, options: dict[str, Any], timeout: float, start: 
         raise Transient(f"no complete response within timeout={timeout:g} s") from exc
     except OSError as exc:
         raise Transient(f"{type(exc).__name__}: {exc}") from exc
+    if max_bytes is not None and len(data) > max_bytes:
+        raise Permanent(f"the object of {len(data)} bytes is larger than max_bytes={max_bytes}",
+                        remedy="not retried: pass Storage(max_bytes=...) to read larger objects")
+    return data
 
 
 def find(url: str, options: dict[str, Any]) -> dict[str, str]:

@@ -1,9 +1,10 @@
 """How remote reads fail and retry: the policy, the error users see, and the retry loop.
 
 A transport (HTTP, fsspec) makes one attempt and classifies what went wrong: a
-:class:`Transient` failure (connection error, timeout, truncated body, HTTP 429 or 5xx) is
-retried after an exponential, jittered delay, or after the server's ``Retry-After``; a
-:class:`Permanent` one (any other 4xx, a missing object) is not. When the attempts run out, a
+:class:`Transient` failure (connection error, timeout, truncated body, HTTP 408, 429 or 5xx)
+is retried after an exponential, jittered delay, or after the server's ``Retry-After``; a
+:class:`Permanent` one (any other 4xx, a missing object, a body over ``max_bytes``, a redirect
+that is not followed) is not. When the attempts run out, a
 :class:`RemoteReadError` names the URL, the attempts made and the last status.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -31,8 +33,11 @@ class RetryPolicy:
       many failed reads do not return in step.
     * ``max_delay`` -- the longest single wait, also the cap on a server's ``Retry-After``.
 
-    Connection errors, timeouts, truncated bodies, HTTP 429 and 5xx are retried; other 4xx
-    statuses (404, 403, ...) fail at once.
+    Every number is finite; ``timeout`` is above zero, ``backoff`` and ``max_delay`` at or
+    above it (a ``ValueError`` otherwise).
+
+    Connection errors, timeouts, truncated bodies, HTTP 408, 429 and 5xx are retried; other
+    4xx statuses (404, 403, ...) fail at once.
     """
 
     attempts: int = 5
@@ -49,6 +54,8 @@ class RetryPolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number of seconds, got {value}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
         if self.backoff < 0 or self.max_delay < 0:
@@ -99,13 +106,16 @@ class Transient(Exception):
 
 
 class Permanent(Exception):
-    """One attempt failed in a way that will not pass: give up now."""
+    """One attempt failed in a way that will not pass: give up now. ``remedy`` ends the final
+    error's message (the default speaks of 4xx statuses)."""
 
-    def __init__(self, reason: str, status: int | None = None, missing: bool = False):
+    def __init__(self, reason: str, status: int | None = None, missing: bool = False,
+                 remedy: str | None = None):
         super().__init__(reason)
         self.reason = reason
         self.status = status
         self.missing = missing
+        self.remedy = remedy
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -114,9 +124,11 @@ def parse_retry_after(value: str | None) -> float | None:
         return None
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        return max(0.0, seconds) if math.isfinite(seconds) else None
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
@@ -134,7 +146,8 @@ async def retrying(policy: RetryPolicy, url: str, attempt: Callable[[], Awaitabl
         except Transient as exc:
             last = exc
         except Permanent as exc:
-            raise _final(verb, url, n, exc.status, exc.reason, permanent=True, missing=exc.missing) from exc
+            raise _final(verb, url, n, exc.status, exc.reason, permanent=True, missing=exc.missing,
+                         remedy=exc.remedy) from exc
         if n < policy.attempts:
             await asyncio.sleep(policy.delay(n, last.retry_after, rng))
     assert last is not None  # attempts >= 1, and every attempt that did not return was transient
@@ -142,12 +155,12 @@ async def retrying(policy: RetryPolicy, url: str, attempt: Callable[[], Awaitabl
 
 
 def _final(verb: str, url: str, attempts: int, status: int | None, reason: str, permanent: bool = False,
-           missing: bool = False) -> RemoteReadError:
+           missing: bool = False, remedy: str | None = None) -> RemoteReadError:
     shown = "no response" if status is None else f"HTTP {status}"
     tries = f"{attempts} attempt" + ("s" if attempts != 1 else "")
-    if permanent:
-        remedy = "not retried: client errors other than 429 do not pass by retrying"
-    else:
+    if remedy is None and permanent:
+        remedy = "not retried: client errors other than 408 and 429 do not pass by retrying"
+    elif remedy is None:
         remedy = "every attempt failed; raise RetryPolicy(attempts=..., timeout=...) if the storage is just slow"
     message = f"{verb} {url} failed after {tries}; last status: {shown} ({reason}); {remedy}"
     cls = RemoteNotFoundError if missing else RemoteReadError

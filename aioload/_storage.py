@@ -5,7 +5,8 @@ One entry point for every place data lives, chosen by the URL's scheme:
 * a local path (or ``file://`` URL): one call into a thread (``aiofiles``' executor wrapper),
   open, read and close together, one hand-off instead of three;
 * ``http://`` and ``https://``: aiohttp, one pooled keep-alive session per event loop (see
-  ``_http``), retried per :class:`RetryPolicy`;
+  ``_http``), retried per :class:`RetryPolicy`, bounded by ``max_bytes``, redirects followed
+  within the URL's origin;
 * any other ``scheme://`` (``s3://``, ``gs://``, ``memory://``, ...): fsspec, when it and the
   backend are installed (see ``_fsspec``), retried the same way.
 
@@ -30,6 +31,9 @@ from aioload._diskcache import DiskCache
 from aioload._retry import RetryPolicy, retrying
 
 __all__ = ["Storage", "read_bytes", "read_range"]
+
+DEFAULT_MAX_BYTES = 1 << 30
+"""The largest object a remote read returns unless ``Storage(max_bytes=...)`` says otherwise."""
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
@@ -80,9 +84,22 @@ class Storage:
     * ``connections_per_host`` -- open HTTP connections per host, per event loop. Reads
       beyond it wait for a free connection (the loader's ``io_concurrency`` bounds reads in
       flight overall; keep this at or above it for one host).
-    * ``headers`` -- sent with every HTTP request (for instance ``Authorization``).
+    * ``headers`` -- sent with every HTTP request to the URL's own origin (for instance
+      ``Authorization``); never sent to another origin a redirect leads to.
     * ``storage_options`` -- keyword arguments for the fsspec filesystem
       (``{"anon": True}``, ``{"endpoint_url": ...}``, credentials).
+    * ``max_bytes`` -- the largest object a remote read returns (1 GiB by default). An HTTP
+      body is checked against it from its ``Content-Length`` and while it streams, so a larger
+      or endless body fails before it fills memory; an fsspec object is checked once read.
+      Such a read fails at once with a :class:`RemoteReadError` (not retried). Local files
+      are not limited.
+    * ``decompress`` -- False (the default): HTTP bodies are kept as the server sent them,
+      and ``Accept-Encoding: identity`` asks for them unencoded. True: whole reads accept
+      gzip and deflate and return the decoded bytes, ``max_bytes`` bounding the decoded size.
+    * ``redirects`` -- ``"same-origin"`` (the default): HTTP redirects are followed only to
+      the same scheme, host and port; ``"any"``: to any http(s) URL, without ``headers``
+      beyond the URL's own origin; ``"none"``: never. A redirect from https to http is never
+      followed; at most 10 are followed per read.
 
     A Storage is cheap and picklable (its cache travels without its contents); sessions and
     clients are made per event loop on first use and closed when that loop ends, or by
@@ -91,7 +108,8 @@ class Storage:
 
     def __init__(self, *, retry: RetryPolicy | None = None, cache: MemoryCache | DiskCache | None = None,
                  connections_per_host: int = 64, headers: Mapping[str, str] | None = None,
-                 storage_options: Mapping[str, Any] | None = None):
+                 storage_options: Mapping[str, Any] | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                 decompress: bool = False, redirects: str = "same-origin"):
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise TypeError(f"retry must be an aioload.RetryPolicy, got {type(retry).__name__}")
         if cache is not None and not isinstance(cache, (MemoryCache, DiskCache)):
@@ -100,11 +118,22 @@ class Storage:
             raise TypeError(f"connections_per_host must be an int >= 1, got {connections_per_host!r}")
         if connections_per_host < 1:
             raise ValueError(f"connections_per_host must be >= 1, got {connections_per_host}")
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
+            raise TypeError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        if not isinstance(decompress, bool):
+            raise TypeError(f"decompress must be True or False, got {decompress!r}")
+        if redirects not in _http.REDIRECTS:
+            raise ValueError(f"redirects must be 'same-origin', 'any' or 'none', got {redirects!r}")
         self.retry = retry if retry is not None else RetryPolicy()
         self.cache = cache
         self.connections_per_host = connections_per_host
         self.headers = dict(headers) if headers else None
         self.storage_options = dict(storage_options) if storage_options else {}
+        self.max_bytes = max_bytes
+        self.decompress = decompress
+        self.redirects = redirects
         self._rng = random.Random()
 
     # -- reads -----------------------------------------------------------------------------
@@ -155,10 +184,13 @@ class Storage:
         policy = self.retry
         if kind == "http":
             client = await _http.client(self, self.connections_per_host, self.headers)
-            attempt = lambda: _http.get(client, where, policy.timeout, offset, length)  # noqa: E731
+            attempt = lambda: _http.get(client, where, policy.timeout, offset, length,  # noqa: E731
+                                        max_bytes=self.max_bytes, decompress=self.decompress,
+                                        redirects=self.redirects)
         else:
             end = None if offset is None or length is None else offset + length
-            attempt = lambda: _fsspec.read(self, where, self.storage_options, policy.timeout, offset, end)  # noqa: E731
+            attempt = lambda: _fsspec.read(self, where, self.storage_options, policy.timeout, offset, end,  # noqa: E731
+                                           max_bytes=self.max_bytes)
         return await retrying(policy, where, attempt, self._rng)
 
     def _cache_for(self, kind: str):
@@ -181,7 +213,8 @@ class Storage:
 
     def __repr__(self) -> str:
         return (f"Storage(retry={self.retry!r}, cache={self.cache!r}, "
-                f"connections_per_host={self.connections_per_host})")
+                f"connections_per_host={self.connections_per_host}, max_bytes={self.max_bytes}, "
+                f"decompress={self.decompress}, redirects={self.redirects!r})")
 
 
 async def _cache_call(cache, method, *args):
@@ -196,8 +229,8 @@ _DEFAULT = Storage()
 async def read_bytes(target: str | os.PathLike, *, storage: Storage | None = None) -> bytes:
     """The whole content of a local path, ``http(s)://`` URL or fsspec URL (``s3://...``).
 
-    ``storage``: the options to read with (retries, timeouts, cache); a default
-    :class:`Storage` otherwise.
+    ``storage``: the options to read with (retries, timeouts, cache, ``max_bytes``,
+    ``decompress``, ``redirects``); a default :class:`Storage` otherwise.
     """
     return await (storage or _DEFAULT).read_bytes(target)
 
