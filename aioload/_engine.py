@@ -254,6 +254,8 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
         return self.pool is not None and shared.layout is None and not shared.no_leaves
 
     async def _make(self, seq: int, indices):
+        if self.spec.mode == "executor":
+            return await self.spec.executor.make(self, seq, indices)
         if self.spec.mode == "read":
             return await self._read_only(indices)
         if self.spec.mode == "rows":

@@ -10,6 +10,7 @@ thread (:mod:`aioload._inprocess`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 import weakref
 from typing import Any
@@ -24,6 +25,7 @@ from aioload._budget import check_max_errors, epoch_samples, logger
 from aioload._compat import _warn_as_torch_iterator
 from aioload._dataset import is_split
 from aioload._engine import Engine
+from aioload import _executor
 from aioload._errors import LoaderClosedError
 from aioload import _gpudecode
 from aioload._inprocess import _InProcessIterator
@@ -85,6 +87,12 @@ class DataLoader:
       ``init_process_group``; ``len()`` follows the current world size. ``False`` turns this
       off. ``state_dict()``/``load_state_dict()`` resume mid-epoch exactly, and one rank's
       state resumes every rank (frameworks save rank 0's). See ``docs/reproducibility.md``.
+    * ``executor`` -- any ``concurrent.futures.Executor`` (a ``ProcessPoolExecutor``, a
+      ``ThreadPoolExecutor``, Dask's ``Client(address).get_executor()``) makes the batches instead
+      of the built-in workers: one task per batch, the dataset sent to each of its processes once,
+      tensors back as out-of-band buffers. ``num_workers`` is then the number of tasks in flight
+      (0: the executor's own parallelism). ``read_on_executor=False`` reads on the trainer and
+      sends the bytes with each task. See ``docs/distributed.md``.
     """
 
     def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
@@ -95,7 +103,8 @@ class DataLoader:
                  io_concurrency: int | str = 64, queue_depth: int | str | None = None, device=None,
                  seed: int | None = None, on_error: str = "raise", max_errors: int | float | None = None,
                  read_timeout: float | None = None,
-                 log_every: float | None = None, progress: bool = False, shard: bool = True):
+                 log_every: float | None = None, progress: bool = False, shard: bool = True,
+                 executor: concurrent.futures.Executor | None = None, read_on_executor: bool = True):
         extra: dict[str, Any] = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
         if pin_memory_device:
             extra["pin_memory_device"] = pin_memory_device
@@ -137,7 +146,9 @@ class DataLoader:
                 "on_error='skip' needs a map-style dataset: an IterableDataset's iterator cannot "
                 "go on after it raised; catch errors inside __iter__ instead"
             )
-        if num_workers == 0 and timeout:
+        if executor is not None:
+            _executor.check_executor(executor, dataset, seed)
+        elif num_workers == 0 and timeout:
             raise ValueError("timeout applies to worker processes: use it with num_workers > 0")
         self.dataset = dataset
         self.pin_memory = pin_memory
@@ -169,6 +180,11 @@ class DataLoader:
         self._iterated = False  # torch warns about pinning and worker counts per iterator it makes
         self._split = is_split(dataset)
         self._iterable = isinstance(dataset, IterableDataset)
+        self.executor = executor
+        self.read_on_executor = read_on_executor
+        if executor is not None:
+            self._res.executor = _executor.ExecutorStage(executor, dataset, self._torch.collate_fn, self._split,
+                                                         read_here=read_on_executor)
         _LIVE.add(self._res)
         self._finalizer = weakref.finalize(self, _finalize_loader, self._res)
         self._initialized = True
@@ -259,8 +275,11 @@ class DataLoader:
         self._stats.worker_restarts = self._res.restarts
         engine = self._res.engine
         io, depth = self._limits()
-        return self._stats.snapshot(queue_occupancy=len(engine.ready) if engine is not None else 0,
-                                    io_concurrency=io, queue_depth=depth, num_workers=self.num_workers)
+        gauges = dict(queue_occupancy=len(engine.ready) if engine is not None else 0, io_concurrency=io,
+                      queue_depth=depth, num_workers=self.num_workers)
+        if self._res.executor is not None:
+            gauges.update(self._res.executor.figures(), num_workers=self._executor_spec().num_workers)
+        return self._stats.snapshot(**gauges)
 
     def _limits(self) -> tuple[int, int]:
         """The current ``(io_concurrency, queue_depth)``: as given, or as tuned so far."""
@@ -298,12 +317,14 @@ class DataLoader:
         # the worker count. Without it, workers are seeded per epoch from torch's base seed,
         # exactly as torch does, and no per-sample cost is paid.
         per_sample = not self._iterable and self.seed is not None
-        lazy = self.num_workers == 0 and not self._split  # _InProcessIterator pulls in the caller's thread
+        lazy = self.num_workers == 0 and not self._split and self.executor is None  # _InProcessIterator pulls
         plan, self._progress = self._planner.plan(epoch, resume, per_sample, lazy=lazy)
         return plan
 
     def _spec(self) -> Spec:
         t = self._torch
+        if self.executor is not None:
+            return self._executor_spec()
         if self.num_workers == 0:
             mode = "read"
         elif self._iterable:
@@ -326,6 +347,24 @@ class DataLoader:
             read_timeout=self.read_timeout, max_errors=self.max_errors, epoch_samples=epoch_samples(t),
             auto_collation=t._auto_collation,
             batched_fetch=self.num_workers > 0 and not self._split and self.seed is None and _batched_fetch(self.dataset),
+        )
+
+    def _executor_spec(self) -> Spec:
+        """With ``executor=``: ``num_workers`` (or the executor's own parallelism) batches
+        being made, ``queue_depth`` ready; the trainer reads only where told to."""
+        t = self._torch
+        stage = self._res.executor
+        in_flight = self.num_workers or _executor.default_in_flight(self.executor)
+        io, depth = self._limits()
+        reads = self._split and not self.read_on_executor
+        permits = batches_in_flight(in_flight, io, t.batch_size or 1, reads=reads, quick=False) + depth
+        return Spec(
+            dataset=self.dataset, split=self._split, mode="executor", batch_size=t.batch_size,
+            num_workers=in_flight, io_concurrency=io, permits=permits, permits_quick=permits,
+            in_order=self.in_order, on_error=self.on_error, pin=self._pin, prefetch_tasks=in_flight,
+            describe=getattr(self.dataset, "describe", None), tuner=None, read_timeout=self.read_timeout,
+            max_errors=self.max_errors, epoch_samples=epoch_samples(t), auto_collation=t._auto_collation,
+            executor=stage,
         )
 
     def _pool(self, base_seed: int) -> WorkerPool:
@@ -361,11 +400,11 @@ class DataLoader:
         self._res.stop_engine()
         _warn_as_torch_iterator(self)
         self._epoch_begins(self._next_epoch)
-        if self.num_workers == 0 and not self._split:
+        if self.num_workers == 0 and not self._split and self.executor is None:
             return _InProcessIterator(self, self._plan())
         plan = self._plan()
         self._current_base = plan.base_seed
-        pool = self._pool(plan.base_seed) if self.num_workers > 0 else None
+        pool = self._pool(plan.base_seed) if self.num_workers > 0 and self.executor is None else None
         spec = self._spec()
         ready = ReadyQueue(self.in_order, plan.delivered)
         transfer: _device.Transfer | _gpudecode.DecodeTransfer | None = None

@@ -32,6 +32,7 @@ class _Resources:
         self.lost: str | None = None  # why the last pool was lost (a crash), until it is replaced
         self.workers = 0  # worker processes per pool, once one has been started
         self.epoch_state: dict | None = None
+        self.executor = None  # an aioload._executor.ExecutorStage with executor=
 
     def stop_engine(self) -> None:
         engine, self.engine = self.engine, None
@@ -56,6 +57,8 @@ class _Resources:
         self.closed = True
         self.stop_engine()
         self.discard_pool()
+        if self.executor is not None:
+            self.executor.close()
 
 
 def _finalize_loader(res: _Resources) -> None:

@@ -17,7 +17,7 @@ class Spec:
 
     dataset: Any
     split: bool
-    mode: str  # "rows", "whole", "iter" or "read" (num_workers=0: the consumer decodes)
+    mode: str  # "rows", "whole", "iter", "read" (num_workers=0: the consumer decodes) or "executor"
     batch_size: int | None
     num_workers: int
     io_concurrency: int
@@ -34,6 +34,7 @@ class Spec:
     epoch_samples: int | None = None  # the base of a fractional max_errors
     auto_collation: bool = True  # False with batch_size=None: each index (even a list) is one sample
     batched_fetch: bool = False  # the dataset's __getitems__ gets each batch whole, as in torch
+    executor: Any = None  # an aioload._executor.ExecutorStage with executor=
 
 
 @dataclass

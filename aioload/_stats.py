@@ -68,6 +68,11 @@ class LoaderStats:
     skipped_total: int = 0
     worker_restarts: int = 0
     shm_bytes: int = 0
+    executor: str = ""  # with executor=: which one (a Dask cluster's scheduler address)
+    executor_tasks: int = 0  # batches the executor made
+    executor_bytes: int = 0  # bytes of the tensors those batches brought back
+    task_p50_ms: float = 0.0  # a task's round trip: sent, decoded there, its batch back
+    task_p99_ms: float = 0.0
     samples_per_s: float = field(init=False)
     wait_fraction: float = field(init=False)
     decode_ms_per_sample: float = field(init=False)
@@ -108,7 +113,8 @@ class LoaderStats:
 
 _COUNTERS = frozenset({
     "batches", "samples", "epochs", "elapsed_s", "first_batch_s", "wait_s", "reads", "bytes_read",
-    "read_s", "decoded", "decode_s", "decode_cpu_s", "worker_restarts", "skipped_total",
+    "read_s", "decoded", "decode_s", "decode_cpu_s", "worker_restarts", "skipped_total", "executor_tasks",
+    "executor_bytes",
 })
 
 
@@ -123,6 +129,8 @@ def diagnose(s: LoaderStats) -> str:
     head = f"data-bound {s.wait_fraction:.0%} of the time: "
     if s.num_workers == 0:
         return head + "loading runs in the training process (num_workers=0), set num_workers"
+    if s.executor:
+        return head + _executor_bound(s)
     if s.decode_busy >= SATURATED / 2 and s.decode_cpu_share < OFF_CPU:
         return head + _off_cpu(s)
     if s.decode_busy >= SATURATED:
@@ -134,6 +142,15 @@ def diagnose(s: LoaderStats) -> str:
     return head + (f"neither reads ({s.mean_reads_in_flight:.0f} of {s.io_concurrency} in flight) nor "
                    f"decode ({s.decode_busy:.0%} busy) is saturated: raise queue_depth, or free CPU "
                    "for the training process")
+
+
+def _executor_bound(s: LoaderStats) -> str:
+    """With executor=: a task reads and decodes a whole batch over there; its round trip is the
+    figure, and the fix is more tasks in flight or more workers."""
+    trip = f"{s.num_workers} tasks in flight, {s.decode_busy:.0%} busy, round trip p50 {s.task_p50_ms:.0f} ms"
+    if s.decode_busy >= SATURATED:
+        return f"the executor's tasks are saturated ({trip}): add workers to {s.executor}, then raise num_workers"
+    return f"the executor is not kept busy ({trip}): raise num_workers (tasks in flight) or queue_depth"
 
 
 def _off_cpu(s: LoaderStats) -> str:
@@ -172,6 +189,9 @@ def format_stats(stats: LoaderStats) -> str:
         ("decode", f"{s.decode_ms_per_sample:.3f} ms/sample, {s.num_workers} workers {s.decode_busy:.0%} busy, "
                    f"on a CPU {s.decode_cpu_share:.0%} of that time"),
         ("queue", f"{s.queue_occupancy} batches ready, queue_depth {s.queue_depth}"),
+        *([("executor", f"{s.executor}: {s.executor_tasks} tasks, round trip p50 {s.task_p50_ms:.1f} ms, "
+                        f"p99 {s.task_p99_ms:.1f} ms, {_bytes(s.executor_bytes / max(1, s.executor_tasks))} "
+                        "back per batch")] if s.executor else []),
         ("skipped", skipped),
         ("worker restarts", f"{s.worker_restarts}"),
         ("shared memory", _bytes(s.shm_bytes)),
