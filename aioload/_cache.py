@@ -15,8 +15,11 @@ import collections
 import os
 import threading
 from dataclasses import dataclass
+from typing import Union
 
-__all__ = ["CacheStats", "MemoryCache", "check_budget"]
+__all__ = ["CacheKey", "CacheStats", "MemoryCache", "check_budget"]
+
+CacheKey = Union[str, bytes, tuple]  # a path or URL, or a tuple
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class MemoryCache:
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._items: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._items: collections.OrderedDict[CacheKey, bytes] = collections.OrderedDict()
         self._bytes = 0
         self._n = Counters()
 
@@ -81,7 +84,7 @@ class MemoryCache:
         if self._pid != os.getpid():  # a forked child starts empty, with a fresh lock
             self._reset()
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: CacheKey) -> bytes | None:
         self._own()
         with self._lock:
             data = self._items.get(key)
@@ -93,7 +96,7 @@ class MemoryCache:
                 self._items.move_to_end(key)
             return data
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: CacheKey, data: bytes) -> None:
         self._own()
         data = bytes(data)
         size = len(data)
