@@ -7,6 +7,10 @@ Both are bounded in bytes. Pass one as ``cache=`` to :class:`aioload.ImageFolder
 Sizing: a :class:`MemoryCache` holds raw (encoded) bytes, about 110 KB per ImageNet JPEG, in
 the loader's main process; give it what RAM you can spare. A :class:`DiskCache` suits remote
 objects on a fast local disk, and survives restarts; size it to the local disk you can spare.
+
+Keys: a whole object is cached under its path or URL as given, a byte range under
+:func:`range_key`, a tuple, so that no path or URL (``a#bytes=0+4`` is a valid file name) can
+ever get another object's range.
 """
 
 from __future__ import annotations
@@ -17,9 +21,14 @@ import threading
 from dataclasses import dataclass
 from typing import Union
 
-__all__ = ["CacheKey", "CacheStats", "MemoryCache", "check_budget"]
+__all__ = ["CacheKey", "CacheStats", "MemoryCache", "check_budget", "range_key"]
 
-CacheKey = Union[str, bytes, tuple]  # a path or URL, or a tuple
+CacheKey = Union[str, bytes, tuple]  # a path or URL (whole objects), or a range_key()
+
+
+def range_key(target: str | bytes, offset: int, length: int | None) -> tuple[str, str, int, int | None]:
+    """The cache key of ``length`` bytes from ``offset`` of ``target``."""
+    return ("range", os.fsdecode(target), offset, length)
 
 
 @dataclass(frozen=True)

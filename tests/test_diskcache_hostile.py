@@ -322,3 +322,31 @@ def test_two_processes_sharing_a_folder_share_its_budget(tmp_path):
     assert len(entry_paths(tmp_path)) == 200_000 // size  # the budget is used, not wasted
     stats = aioload.DiskCache(tmp_path, 200_000).stats()
     assert (stats.bytes, stats.entries) == (entry_bytes(tmp_path), len(entry_paths(tmp_path)))
+
+
+# -- keys ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_a_name_that_looks_like_a_range_key_gets_its_own_content(tmp_path, kind):
+    fs = fsspec.filesystem("memory")
+    base = f"memory://{tmp_path.name}-{kind}/a"
+    fs.pipe(base.removeprefix("memory://"), b"0123456789")
+    fs.pipe(f"{base}#bytes=0+4".removeprefix("memory://"), b"another file")
+    cache = aioload.MemoryCache(1 << 20) if kind == "memory" else aioload.DiskCache(tmp_path, 1 << 20)
+    storage = aioload.Storage(cache=cache)
+
+    async def main():
+        return await storage.read_range(base, 0, 4), await storage.read_bytes(f"{base}#bytes=0+4")
+
+    assert asyncio.run(main()) == (b"0123", b"another file")
+
+
+def test_a_local_file_named_like_a_range_key_gets_its_own_content(tmp_path):
+    (tmp_path / "a").write_bytes(b"0123456789")
+    (tmp_path / "a#bytes=0+4").write_bytes(b"another file")
+    storage = aioload.Storage(cache=aioload.MemoryCache(1 << 20))
+
+    async def main():
+        return (await storage.read_range(tmp_path / "a", 0, 4),
+                await storage.read_bytes(tmp_path / "a#bytes=0+4"))
+
+    assert asyncio.run(main()) == (b"0123", b"another file")
