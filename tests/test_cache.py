@@ -100,7 +100,7 @@ def test_disk_cache_survives_a_restart(tmp_path):
 
 
 def test_disk_cache_evicts_least_recently_used_within_budget(tmp_path):
-    size = 100 + 48  # object + header (magic, length, checksum)
+    size = 100 + 20  # object + header (magic, length, checksum)
     cache = aioload.DiskCache(tmp_path, 3 * size)
     for key in "abc":
         cache.put(key, blob(0))
