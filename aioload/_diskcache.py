@@ -93,7 +93,8 @@ class DiskCache:
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()  # this process's index and counters; taken after the file lock
-        self._index: collections.OrderedDict[str, int] | None = None  # name -> size, LRU first
+        # name -> (size, the last use this process knows of, in ns), least recently used first
+        self._index: collections.OrderedDict[str, tuple[int, int]] | None = None
         self._n = Counters()
         self._reported = False
 
@@ -120,7 +121,7 @@ class DiskCache:
             else:
                 self._n.hits += 1
                 if self._index is not None:
-                    self._index[name] = _HEADER.size + len(data)
+                    self._index[name] = (_HEADER.size + len(data), time.time_ns())
                     self._index.move_to_end(name)
         return data
 
@@ -146,7 +147,7 @@ class DiskCache:
                         os.rename(tmp, name + _SUFFIX, src_dir_fd=sub, dst_dir_fd=sub)
                         placed = True
                         _set_totals(ledger, total + size, entries + 1)
-                        index[name] = size
+                        index[name] = (size, time.time_ns())
                 finally:
                     if not placed:
                         _unlink(sub, tmp)
@@ -187,43 +188,51 @@ class DiskCache:
             with _locked(store) as ledger, self._lock:
                 self._scanned(store, ledger)
 
-    def _scanned(self, store: int, ledger: int) -> collections.OrderedDict[str, int]:
+    def _scanned(self, store: int, ledger: int) -> collections.OrderedDict[str, tuple[int, int]]:
         """This process's index (called with both locks held), scanned from the folder if
         there is none yet; a scan also resets the folder's totals to what it counted."""
         if self._index is not None:
             return self._index
         found = sorted(_scan(store))
-        index = self._index = collections.OrderedDict((name, size) for _, name, size in found)
+        index = self._index = collections.OrderedDict((name, (size, used)) for used, name, size in found)
         total, entries = self._evict(store, index, sum(size for _, _, size in found), len(found), 0)
         _set_totals(ledger, total, entries)
         return index
 
-    def _evict(self, store: int, index: collections.OrderedDict[str, int], total: int, entries: int, room: int,
-               keep: str = "") -> tuple[int, int]:
+    def _evict(self, store: int, index: collections.OrderedDict[str, tuple[int, int]], total: int, entries: int,
+               room: int, keep: str = "") -> tuple[int, int]:
         """Remove least recently used entries until ``room`` more bytes fit in the budget
-        (called with both locks held); the folder's new totals. Entries this process does not
-        know of (written by another) are found by a rescan once its own are gone."""
+        (called with both locks held); the folder's new totals. An entry another process has
+        used since is kept and moved to its place; entries this process does not know of
+        (written by another) are found by a rescan once its own are gone."""
         rescanned = False
+        spared = 0
         while total + room > self.max_bytes:
             if not index:
                 if rescanned:
                     break
                 rescanned = True
                 found = sorted(entry for entry in _scan(store) if entry[1] != keep)
-                index.update((name, size) for _, name, size in found)
+                index.update((name, (size, used)) for used, name, size in found)
                 total, entries = sum(size for _, _, size in found), len(found)
                 continue
-            name, _ = index.popitem(last=False)
-            freed = _size_in(store, name)
-            if freed and _remove(store, name):  # else gone already: counted by whoever removed it
-                total, entries = total - freed, entries - 1
+            name, (_, known) = index.popitem(last=False)
+            st = _stat_in(store, name)
+            if st is None:  # gone already: counted by whoever removed it
+                continue
+            if st.st_mtime_ns > known and spared < len(index):  # a hit in another process
+                index[name] = (st.st_size, st.st_mtime_ns)
+                spared += 1
+                continue
+            if _remove(store, name):
+                total, entries = total - st.st_size, entries - 1
                 self._n.evictions += 1
         return max(total, 0), max(entries, 0)
 
     def _discard(self, store: int, name: str, found: os.stat_result) -> None:
         """Remove a damaged entry, unless another process has replaced it meanwhile."""
         with _locked(store) as ledger, self._lock, _subfolder(store, name) as sub:
-            counted = self._index.pop(name, None) if self._index is not None else None
+            counted = self._index.pop(name, (None, 0))[0] if self._index is not None else None
             try:
                 now = os.stat(name + _SUFFIX, dir_fd=sub, follow_symlinks=False)
             except FileNotFoundError:
@@ -361,13 +370,14 @@ def _size(sub: int, name: str) -> int:
     return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
-def _size_in(store: int, name: str) -> int:
-    """The size of entry ``name`` if it is a regular file, else 0."""
+def _stat_in(store: int, name: str) -> os.stat_result | None:
+    """The stat of entry ``name`` if it is a regular file, else None."""
     try:
         with _subfolder(store, name) as sub:
-            return _size(sub, name + _SUFFIX)
+            st = os.stat(name + _SUFFIX, dir_fd=sub, follow_symlinks=False)
     except FileNotFoundError:
-        return 0
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
 
 
 def _remove(store: int, name: str) -> bool:

@@ -324,6 +324,17 @@ def test_two_processes_sharing_a_folder_share_its_budget(tmp_path):
     assert (stats.bytes, stats.entries) == (entry_bytes(tmp_path), len(entry_paths(tmp_path)))
 
 
+def test_a_hit_in_another_process_counts_as_a_use(tmp_path):
+    cache = aioload.DiskCache(tmp_path, 3 * (100 + 20))
+    for key in "abc":
+        cache.put(f"http://h/{key}", bytes(100))
+    hit = "import sys, aioload; sys.exit(aioload.DiskCache(sys.argv[1], 360).get('http://h/a') is None)"
+    subprocess.run([sys.executable, "-c", hit, str(tmp_path)], env={**os.environ, "PYTHONPATH": REPO}, check=True,
+                   timeout=120)
+    cache.put("http://h/d", bytes(100))  # evicts b, the least recently used in the folder
+    assert [cache.get(f"http://h/{k}") is not None for k in "abcd"] == [True, False, True, True]
+
+
 # -- keys ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["memory", "disk"])
 def test_a_name_that_looks_like_a_range_key_gets_its_own_content(tmp_path, kind):
