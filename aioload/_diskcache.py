@@ -305,7 +305,8 @@ def _read(store: int, name: str) -> tuple[bytes | None, os.stat_result | None]:
                 if magic == _MAGIC and length == st.st_size - _HEADER.size:
                     payload = f.read()
                     if len(payload) == length and checksum == _checksum(name, payload):
-                        _touch(fd)  # recency survives a restart
+                        with contextlib.suppress(OSError):  # a hit all the same
+                            _touch(fd)  # recency survives a restart
                         return payload, st
             return None, st
     finally:
