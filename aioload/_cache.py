@@ -7,6 +7,10 @@ Both are bounded in bytes. Pass one as ``cache=`` to :class:`aioload.ImageFolder
 Sizing: a :class:`MemoryCache` holds raw (encoded) bytes, about 110 KB per ImageNet JPEG, in
 the loader's main process; give it what RAM you can spare. A :class:`DiskCache` suits remote
 objects on a fast local disk, and survives restarts; size it to the local disk you can spare.
+
+Keys: a whole object is cached under its path or URL as given, a byte range under
+:func:`range_key`, a tuple, so that no path or URL (``a#bytes=0+4`` is a valid file name) can
+ever get another object's range.
 """
 
 from __future__ import annotations
@@ -15,8 +19,16 @@ import collections
 import os
 import threading
 from dataclasses import dataclass
+from typing import Union
 
-__all__ = ["CacheStats", "MemoryCache", "check_budget"]
+__all__ = ["CacheKey", "CacheStats", "MemoryCache", "check_budget", "range_key"]
+
+CacheKey = Union[str, bytes, tuple]  # a path or URL (whole objects), or a range_key()
+
+
+def range_key(target: str | bytes, offset: int, length: int | None) -> tuple[str, str, int, int | None]:
+    """The cache key of ``length`` bytes from ``offset`` of ``target``."""
+    return ("range", os.fsdecode(target), offset, length)
 
 
 @dataclass(frozen=True)
@@ -73,7 +85,7 @@ class MemoryCache:
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._items: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._items: collections.OrderedDict[CacheKey, bytes] = collections.OrderedDict()
         self._bytes = 0
         self._n = Counters()
 
@@ -81,7 +93,7 @@ class MemoryCache:
         if self._pid != os.getpid():  # a forked child starts empty, with a fresh lock
             self._reset()
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: CacheKey) -> bytes | None:
         self._own()
         with self._lock:
             data = self._items.get(key)
@@ -93,7 +105,7 @@ class MemoryCache:
                 self._items.move_to_end(key)
             return data
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: CacheKey, data: bytes) -> None:
         self._own()
         data = bytes(data)
         size = len(data)

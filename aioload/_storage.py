@@ -26,7 +26,7 @@ from urllib.parse import unquote, urlsplit
 import aiofiles.os
 
 from aioload import _fsspec, _http, _scope
-from aioload._cache import MemoryCache
+from aioload._cache import MemoryCache, range_key
 from aioload._diskcache import DiskCache
 from aioload._retry import RetryPolicy, retrying
 
@@ -168,7 +168,7 @@ class Storage:
     async def _read(self, target, offset: int | None, length: int | None) -> bytes:
         kind, where = locate(target)
         cache = self._cache_for(kind)
-        key = target if offset is None else f"{os.fsdecode(target)}#bytes={offset}+{length}"
+        key = target if offset is None else range_key(target, offset, length)
         if cache is not None:
             data = await _cache_call(cache, cache.get, key)
             if data is not None:

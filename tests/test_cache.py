@@ -20,12 +20,17 @@ def blob(i: int, size: int = 100) -> bytes:
     return bytes([i % 256]) * size
 
 
+def disk_paths(directory) -> list[str]:
+    """Every file under the cache's subfolders (entries and temporaries), found by walking."""
+    return [os.path.join(d, f) for d, _, files in os.walk(directory) for f in files if f != "lock"]
+
+
 def disk_bytes(directory) -> int:
-    return sum(e.stat().st_size for d in os.scandir(directory) if d.is_dir() for e in os.scandir(d.path))
+    return sum(os.path.getsize(p) for p in disk_paths(directory) if p.endswith(".entry"))
 
 
 def disk_files(directory) -> list[str]:
-    return [e.name for d in os.scandir(directory) if d.is_dir() for e in os.scandir(d.path)]
+    return [os.path.basename(p) for p in disk_paths(directory)]
 
 
 # -- memory -----------------------------------------------------------------------------------
@@ -95,7 +100,7 @@ def test_disk_cache_survives_a_restart(tmp_path):
 
 
 def test_disk_cache_evicts_least_recently_used_within_budget(tmp_path):
-    size = 100 + 16  # object + header
+    size = 100 + 20  # object + header (magic, length, checksum)
     cache = aioload.DiskCache(tmp_path, 3 * size)
     for key in "abc":
         cache.put(key, blob(0))
@@ -125,18 +130,22 @@ def test_disk_cache_budget_holds_under_many_writes(tmp_path):
 def test_disk_cache_drops_damaged_files_and_stale_temporaries(tmp_path):
     cache = aioload.DiskCache(tmp_path, 10_000)
     cache.put("x", blob(1))
-    (name,) = disk_files(tmp_path)
-    path = tmp_path / name[:2] / name
-    path.write_bytes(path.read_bytes()[:50])  # as a torn write would leave it
-    assert cache.get("x") is None and not path.exists()
-    stale = tmp_path / name[:2] / f".{name}.1.2.tmp"
-    stale.write_bytes(b"partial")
+    (path,) = disk_paths(tmp_path)
+    name = os.path.basename(path).removesuffix(".entry")
+    with open(path, "r+b") as f:
+        f.truncate(50)  # as a torn write would leave it
+    assert cache.get("x") is None and not os.path.exists(path)
+    assert cache.stats().entries == 0 and cache.stats().bytes == 0
+    folder = os.path.dirname(path)
+    stale = os.path.join(folder, f".{name}.{'1' * 16}.tmp")
+    fresh = os.path.join(folder, f".{name}.{'2' * 16}.tmp")
+    for p, content in ((stale, b"partial"), (fresh, b"being written")):
+        with open(p, "wb") as f:
+            f.write(content)
     old = time.time() - 7200
     os.utime(stale, (old, old))
-    fresh = tmp_path / name[:2] / f".{name}.3.4.tmp"
-    fresh.write_bytes(b"being written")
     assert aioload.DiskCache(tmp_path, 10_000).stats().entries == 0
-    assert not stale.exists() and fresh.exists()
+    assert not os.path.exists(stale) and os.path.exists(fresh)
 
 
 def test_disk_cache_skips_local_files_but_memory_cache_keeps_them(tmp_path):
