@@ -19,6 +19,7 @@ import weakref
 
 from aioload import _wire
 from aioload._errors import WorkerCrashedError, describe_exit, unpack_exception
+from aioload._resources import watch_exit
 from aioload._shm import Segment, send_fd
 from aioload._worker import PROGRESS_ID, SLOT_HEADER, WorkerConfig, worker_main
 
@@ -61,6 +62,7 @@ class WorkerPool:
     """``num_workers`` processes, each holding one copy of the dataset."""
 
     def __init__(self, cfg: WorkerConfig, num_workers: int, context):
+        watch_exit()  # stopped before a multiprocessing child joins its children (NOTE [exit hooks])
         self.num_workers = num_workers
         self.context = context
         self.procs: list[mp.process.BaseProcess] = []
