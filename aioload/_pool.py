@@ -18,7 +18,7 @@ import time
 import weakref
 
 from aioload import _wire
-from aioload._errors import WorkerCrashedError, describe_exit, unpack_exception
+from aioload._errors import WorkerCrashedError, crash_message, describe_exit, unpack_exception
 from aioload._resources import watch_exit
 from aioload._shm import Segment, send_fd
 from aioload._worker import PROGRESS_ID, SLOT_HEADER, WorkerConfig, worker_main
@@ -373,10 +373,11 @@ class PoolSession:
         await asyncio.to_thread(proc.join, 1.0)
         indices = [i for r in self._inflight[wid].values() for i in r.indices]
         exc = WorkerCrashedError(
-            f"aioload worker {wid} (pid {proc.pid}) {describe_exit(proc.exitcode)} while "
-            f"working on dataset indices {indices}. If it ran out of memory, lower num_workers "
-            f"or batch_size; if it crashed in native code, check those samples.",
+            f"{crash_message(proc.pid, proc.exitcode)} aioload worker {wid} {describe_exit(proc.exitcode)} "
+            f"while working on dataset indices {indices}. If it ran out of memory, lower "
+            f"num_workers or batch_size; if it crashed in native code, check those samples.",
             worker_id=wid,
+            pid=proc.pid,
             exitcode=proc.exitcode,
             indices=indices,
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import re
 import signal
 
 import pytest
@@ -86,3 +87,137 @@ def test_a_multiprocessing_child_that_used_a_loader_exits(tmp_path, method, targ
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         ours.close()
+
+
+# -- aioload's errors across process boundaries ------------------------------------------------
+
+def _exception_classes() -> list[type[BaseException]]:
+    """Every exception class an aioload module defines under a public name (the exported
+    ones, their subclasses, and those raised from behind the public API, such as
+    ``ResumeError``)."""
+    import importlib
+    import pkgutil
+
+    found = {}
+    for info in pkgutil.iter_modules(aioload.__path__, "aioload."):
+        if info.name == "aioload.__main__":
+            continue
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if (isinstance(value, type) and issubclass(value, BaseException) and not name.startswith("_")
+                    and value.__module__.startswith("aioload")):
+                found[value.__qualname__] = value
+    return [found[name] for name in sorted(found)]
+
+
+EXCEPTIONS = _exception_classes()
+EXPORTED = [getattr(aioload, name) for name in aioload.__all__
+            if isinstance(getattr(aioload, name), type) and issubclass(getattr(aioload, name), BaseException)]
+
+
+def test_the_exception_list_holds_every_exported_one():
+    assert len(EXPORTED) >= 5  # the four of _errors and RemoteReadError
+    assert set(EXPORTED) <= set(EXCEPTIONS)
+    assert {"ResumeError", "RemoteNotFoundError"} <= {cls.__name__ for cls in EXCEPTIONS}
+
+
+def _full(cls: type[BaseException]) -> BaseException:
+    """An instance with every attribute its class has beyond the message."""
+    message = f"{cls.__name__} happened on purpose"
+    if cls is aioload.WorkerCrashedError:
+        return cls(message, worker_id=1, pid=4242, exitcode=-11, indices=[3, 4])
+    if cls is aioload.DataLoaderTimeoutError:
+        return cls(message, stuck=[(7, "read")])
+    if issubclass(cls, aioload.RemoteReadError):
+        return cls(message, "http://127.0.0.1:1/x.jpg", 5, 503)
+    return cls(message)
+
+
+@pytest.mark.parametrize("cls", EXCEPTIONS, ids=lambda cls: cls.__name__)
+def test_every_aioload_exception_is_made_from_a_message_and_survives_pickling(cls):
+    import pickle
+
+    bare = cls("just a message")
+    assert str(bare) == "just a message"
+    for exc in (bare, _full(cls)):
+        exc.add_note("while doing something")
+        back = pickle.loads(pickle.dumps(exc))
+        assert type(back) is cls
+        assert str(back) == str(exc)
+        assert vars(back) == vars(exc)  # the attributes and the notes
+
+
+@pytest.mark.parametrize("cls", EXCEPTIONS, ids=lambda cls: cls.__name__)
+def test_every_aioload_exception_survives_torchs_exception_wrapper(cls):
+    """``ExceptionWrapper.reraise`` (frameworks and torch's own test helpers carry errors
+    between processes with it) rebuilds the error as ``type(message)``; where that fails it
+    raises a ``RuntimeError`` instead, losing the type."""
+    import pickle
+    import sys
+
+    from torch._utils import ExceptionWrapper
+
+    original = _full(cls)
+    try:
+        raise original
+    except BaseException:
+        wrapper = pickle.loads(pickle.dumps(ExceptionWrapper(sys.exc_info(), where="in a child process")))
+    with pytest.raises(cls) as info:
+        wrapper.reraise()
+    assert type(info.value) is cls
+    assert str(info.value).startswith(f"Caught {cls.__name__} in a child process.\nOriginal Traceback")
+    assert str(original) in str(info.value)
+
+
+TORCH_CRASH = r"DataLoader worker \(pid(s)? ([\w\s,]+)\) is killed by signal: "
+"""What torch's own tests match in a crashed worker's error (test_dataloader.py)."""
+
+
+def _crash_in_a_child(root, conn) -> None:
+    """What torch's test helper does: run the loader, send whatever it raised to the parent,
+    whole and wrapped in an ``ExceptionWrapper``."""
+    import sys
+
+    from torch._utils import ExceptionWrapper
+
+    from tests.faulty import FaultyDataset
+
+    with aioload.DataLoader(FaultyDataset(root, N, {13: "segv"}), batch_size=4, num_workers=2,
+                            timeout=30) as loader:
+        try:
+            list(loader)
+        except Exception as exc:  # noqa: BLE001 - sent to the parent, which checks it
+            conn.send((exc, ExceptionWrapper(sys.exc_info(), where="in a training process")))
+        else:
+            conn.send(None)
+
+
+def test_a_crashed_workers_error_reaches_another_process_whole_and_in_torchs_words(tmp_path):
+    from tests.faulty import write_samples as write
+
+    write(tmp_path, N)
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_crash_in_a_child, args=(str(tmp_path), theirs))
+    try:
+        child.start()
+        theirs.close()
+        assert ours.poll(HANG_GUARD), "the child sent nothing"
+        sent = ours.recv()
+        child.join(HANG_GUARD)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+        if child.pid is not None:
+            child.join(10)
+        ours.close()
+    assert sent is not None, "the loader did not raise"
+    exc, wrapper = sent
+    assert type(exc) is aioload.WorkerCrashedError
+    assert (exc.exitcode, exc.worker_id in (0, 1), 13 in exc.indices) == (-signal.SIGSEGV, True, True)
+    assert str(exc).startswith(f"DataLoader worker (pid {exc.pid}) is killed by signal: Segmentation fault. ")
+    assert re.search(TORCH_CRASH, str(exc))
+    with pytest.raises(aioload.WorkerCrashedError, match=TORCH_CRASH) as info:
+        wrapper.reraise()
+    assert str(exc) in str(info.value)
