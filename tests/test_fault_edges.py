@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import re
 import signal
+import textwrap
 
 import pytest
 
@@ -221,3 +222,52 @@ def test_a_crashed_workers_error_reaches_another_process_whole_and_in_torchs_wor
     with pytest.raises(aioload.WorkerCrashedError, match=TORCH_CRASH) as info:
         wrapper.reraise()
     assert str(exc) in str(info.value)
+
+
+# -- what a crashed worker leaves on stderr ------------------------------------------------------
+
+CRASHING_CHILD = textwrap.dedent("""\
+    import ctypes, sys
+    sys.path.insert(0, {root_dir!r})
+    import torch, aioload
+    from tests.faulty import FaultyMapDataset
+
+    class NullPointer(torch.utils.data.Dataset):  # a native crash nobody planned
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            return ctypes.string_at(0)
+
+    def crash(dataset):
+        with aioload.DataLoader(dataset, batch_size=4, num_workers=1, timeout=30) as loader:
+            try:
+                list(loader)
+            except aioload.WorkerCrashedError as exc:
+                print(exc.exitcode, file=sys.stderr, flush=True)
+
+    crash(FaultyMapDataset({data!r}, 8, {{2: "ctypes-segv"}}))
+    print("--- unplanned ---", file=sys.stderr, flush=True)
+    crash(NullPointer())
+""")
+
+
+def test_a_deliberate_crash_prints_no_dump_and_a_real_one_still_does(tmp_path):
+    """With ``faulthandler`` on (``python -X faulthandler``, as pytest turns it on), a worker
+    that segfaults writes its stacks to the stderr it inherited. The fault-injection datasets
+    switch that off for their own crashes, so that a passing test run stays clean; aioload
+    must not hide the dump of a real crash from the user."""
+    import subprocess
+    import sys
+
+    write_samples(tmp_path / "data", 8)
+    script = tmp_path / "child.py"
+    script.write_text(CRASHING_CHILD.format(root_dir=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                            data=str(tmp_path / "data")))
+    done = subprocess.run([sys.executable, "-X", "faulthandler", str(script)], capture_output=True, text=True,
+                          timeout=HANG_GUARD)
+    assert done.returncode == 0, done.stderr
+    planned, unplanned = done.stderr.split("--- unplanned ---\n")
+    assert planned == f"{-signal.SIGSEGV}\n"
+    assert "Fatal Python error: Segmentation fault" in unplanned
+    assert unplanned.rstrip().endswith(f"{-signal.SIGSEGV}")
