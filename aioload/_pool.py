@@ -298,12 +298,17 @@ class PoolSession:
             heapq.heappush(heap, request)
 
     def _start(self, wid: int, request: _Request) -> None:
+        kind, task_id, slot, payload = request.message
+        try:
+            data = _wire.encode((kind, task_id, slot, payload, self._drops[wid]))
+        except Exception as exc:  # noqa: BLE001 - an index or read result that does not pickle
+            request.future.set_exception(_wire.unsendable(exc, request.indices))
+            return  # nothing was sent: the worker stays free and the pool stays usable
         request.worker = wid
         self._idle.clear()
-        kind, task_id, slot, payload = request.message
-        drops, self._drops[wid] = self._drops[wid], []
+        self._drops[wid] = []
         self._inflight[wid][task_id] = request
-        self._post(wid, _wire.encode((kind, task_id, slot, payload, drops)))
+        self._post(wid, data)
 
     async def serve(self) -> None:
         """Read every worker's replies until cancelled; a dead worker breaks the pool.

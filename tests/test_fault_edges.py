@@ -14,8 +14,10 @@ import os
 import re
 import signal
 import textwrap
+import threading
 
 import pytest
+import torch
 
 import aioload
 from tests.faulty import FaultyMapDataset, write_samples
@@ -271,3 +273,179 @@ def test_a_deliberate_crash_prints_no_dump_and_a_real_one_still_does(tmp_path):
     assert planned == f"{-signal.SIGSEGV}\n"
     assert "Fatal Python error: Segmentation fault" in unplanned
     assert unplanned.rstrip().endswith(f"{-signal.SIGSEGV}")
+
+
+# -- indices and read results a worker cannot take -----------------------------------------------
+
+HUGE = 2**64
+"""A sampler index that no int64 holds."""
+
+
+class _Listed(torch.utils.data.Dataset):
+    """Samples from a Python list: an index it cannot hold raises list's own ``IndexError``."""
+
+    def __init__(self, n: int = 16):
+        self.values = list(range(n))
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, index):
+        return torch.tensor([self.values[index]])
+
+
+class _ListedSplit(aioload.Dataset):
+    """The same through the split protocol: read on the loader's loop, decode in a worker.
+    ``unpicklable`` indices read as a tuple holding a lock."""
+
+    def __init__(self, n: int = 16, unpicklable=()):
+        self.values = list(range(n))
+        self.unpicklable = set(unpicklable)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    async def read(self, index):
+        return (index, threading.Lock()) if index in self.unpicklable else (index, None)
+
+    def decode(self, raw):
+        return torch.tensor([self.values[raw[0]]])
+
+
+SAMPLER = [*range(8), HUGE, *range(8, 16)]
+
+
+def _values(loader) -> list[int]:
+    return [int(v) for batch in loader for v in batch]
+
+
+@pytest.mark.parametrize("dataset", [_Listed, _ListedSplit], ids=["getitem", "read-decode"])
+def test_an_index_no_int64_holds_is_the_datasets_error_and_the_pool_goes_on(dataset):
+    """torch hands such an index to the dataset as it is; so does aioload, whose workers
+    note the index they are on in an int64 and crashed on this one."""
+    with aioload.DataLoader(dataset(), batch_size=4, sampler=SAMPLER, num_workers=2, timeout=30) as loader:
+        for _ in range(2):
+            batches = iter(loader)
+            assert _values([next(batches), next(batches)]) == list(range(8))
+            pids = _worker_pids()
+            with pytest.raises(IndexError) as info:
+                next(batches)
+            assert str(info.value) == "cannot fit 'int' into an index-sized integer"
+            stage = "__getitem__" if dataset is _Listed else "decode"
+            assert info.value.__notes__[0].startswith(f"while running {stage} for dataset index {HUGE}")
+            del info
+            assert _values(batches) == list(range(11, 16))  # the epoch goes on after a failed batch
+            assert _worker_pids() == pids
+        assert loader.stats().worker_restarts == 0
+
+
+@pytest.mark.parametrize("dataset", [_Listed, _ListedSplit], ids=["getitem", "read-decode"])
+def test_an_index_no_int64_holds_is_skipped_with_on_error_skip(dataset, caplog):
+    import logging
+
+    with aioload.DataLoader(dataset(), batch_size=4, sampler=SAMPLER, num_workers=2, timeout=30,
+                            on_error="skip") as loader:
+        pids = None
+        with caplog.at_level(logging.WARNING, logger="aioload"):
+            for _ in range(2):
+                assert sorted(_values(loader)) == list(range(16))
+                pids = pids or _worker_pids()
+                assert _worker_pids() == pids
+        stats = loader.stats()
+    assert stats.skipped == (HUGE, HUGE) and stats.worker_restarts == 0
+    assert [m.split(" while ")[0] for m in caplog.messages] == [
+        f"on_error='skip': skipped dataset index {HUGE}: IndexError: cannot fit 'int' into an index-sized integer"] * 2
+
+
+UNPICKLABLE = (r"dataset\.read\(5\) returned a tuple holding a _thread\.lock, which cannot be pickled to reach "
+               r"a worker process \(TypeError: cannot pickle '_thread\.lock' object\)\. read\(\) runs in the "
+               r"loader's process and decode\(\) in a worker: return bytes, numbers, strings, arrays or "
+               r"tensors from read\(\), and open files, locks or clients in decode\(\)")
+
+
+def test_a_read_result_that_cannot_be_pickled_names_the_index_and_the_type():
+    with aioload.DataLoader(_ListedSplit(unpicklable={5}), batch_size=4, num_workers=2, timeout=30) as loader:
+        batches = iter(loader)
+        assert next(batches).tolist() == [[0], [1], [2], [3]]
+        with pytest.raises(TypeError) as info:
+            next(batches)
+        assert re.fullmatch(UNPICKLABLE, str(info.value))
+        assert info.value.__notes__ == ["while reading dataset index 5"]
+        assert isinstance(info.value.__cause__, TypeError)
+        pids = _worker_pids()
+        # the epoch goes on (as after any failed batch), and the next one runs on the same pool
+        assert _values(batches) == list(range(8, 16))
+        with pytest.raises(TypeError) as info:
+            _values(loader)
+        assert re.fullmatch(UNPICKLABLE, str(info.value))
+        del info
+        assert _worker_pids() == pids and loader.stats().worker_restarts == 0
+
+
+def test_a_read_result_that_cannot_be_pickled_is_skipped_and_counted(caplog):
+    import logging
+
+    with aioload.DataLoader(_ListedSplit(unpicklable={5, 9}), batch_size=4, num_workers=2, timeout=30,
+                            on_error="skip") as loader:
+        pids = None
+        with caplog.at_level(logging.WARNING, logger="aioload"):
+            for _ in range(2):
+                assert sorted(_values(loader)) == sorted(set(range(16)) - {5, 9})
+                pids = pids or _worker_pids()
+                assert _worker_pids() == pids
+        stats = loader.stats()
+    assert stats.skipped_total == 4 and sorted(stats.skipped) == [5, 5, 9, 9]
+    assert stats.worker_restarts == 0
+    assert sum("skipped dataset index 5: TypeError: dataset.read(5) returned a tuple holding a _thread.lock"
+               in message for message in caplog.messages) == 2
+
+
+def test_a_sampler_index_that_cannot_be_pickled_fails_its_batch_and_the_pool_goes_on():
+    """No worker can be sent such a task: its batch fails at once, naming the indices, and
+    the worker it was meant for stays free (no drain to wait for, no new pool)."""
+    odd = threading.Lock()
+    sampler = [*range(4), odd, *range(4, 8)]
+    with aioload.DataLoader(_Listed(), batch_size=4, sampler=sampler, num_workers=2, timeout=30) as loader:
+        batches = iter(loader)
+        assert next(batches).tolist() == [[0], [1], [2], [3]]
+        pids = _worker_pids()
+        with pytest.raises(TypeError, match=r"^the task for dataset indices \[<unlocked _thread\.lock object") as info:
+            next(batches)
+        assert "cannot be pickled to reach a worker process (TypeError: cannot pickle '_thread.lock' object)" \
+            in str(info.value)
+        del info, batches
+        assert sorted(_values(aioload.DataLoader(_Listed(), batch_size=4, num_workers=0))) == list(range(16))
+        with pytest.raises(TypeError, match="cannot be pickled to reach a worker process"):
+            _values(loader)
+        assert _worker_pids() == pids and loader.stats().worker_restarts == 0
+
+
+def test_a_readers_buffer_grown_for_a_large_message_is_given_back():
+    import socket
+
+    from aioload import _wire
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        reader = _wire.Reader(theirs)
+        initial = reader.capacity
+        large = b"x" * (16 * initial)
+
+        def send_and_receive(message):
+            sender = threading.Thread(target=_wire.send_blocking, args=(ours, message))
+            sender.start()
+            assert reader.recv_blocking() == message
+            sender.join()
+
+        send_and_receive(large)
+        assert reader.capacity >= len(large)
+        # a stream of large messages keeps the buffer ...
+        for _ in range(2 * _wire.SHRINK_AFTER):
+            send_and_receive(large)
+        assert reader.capacity >= len(large)
+        # ... and once only small ones come, it goes back to its first size
+        for i in range(_wire.SHRINK_AFTER):
+            send_and_receive(("task", i))
+        assert reader.capacity == initial
+        send_and_receive(large)  # and it grows again when needed
+        assert reader.capacity >= len(large)
