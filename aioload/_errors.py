@@ -14,28 +14,35 @@ __all__ = [
 ]
 
 
-class WorkerCrashedError(RuntimeError):
+class _Rebuildable:
+    """Pickles as ``cls(message)`` plus the instance's attributes (notes included), so that an
+    aioload error crosses a process boundary whole; each class can also be rebuilt from a
+    message alone (``type(exc)(message)``, as torch's ``ExceptionWrapper.reraise`` does)."""
+
+    def __reduce__(self):
+        return (type(self), self.args, self.__dict__)
+
+
+class WorkerCrashedError(_Rebuildable, RuntimeError):
     """A worker process died (killed by a signal, out of memory, a segfault, ``os._exit``).
 
-    ``worker_id``, ``exitcode`` and ``indices`` (the dataset indices it was working on) are
-    attributes. The loader can be iterated again afterwards: a fresh pool is started.
+    The message starts as torch's does (``DataLoader worker (pid N) is killed by signal:
+    Segmentation fault.``) and goes on with which worker it was and the dataset indices it was
+    working on. ``worker_id``, ``pid``, ``exitcode`` and ``indices`` are attributes (``None``
+    and ``[]`` when the error was made from a message alone). The loader can be iterated again
+    afterwards: a fresh pool is started.
     """
 
-    def __init__(self, message: str, *, worker_id: int, exitcode: int | None, indices: list):
+    def __init__(self, message: str, *, worker_id: int | None = None, pid: int | None = None,
+                 exitcode: int | None = None, indices: list | tuple = ()):
         super().__init__(message)
         self.worker_id = worker_id
+        self.pid = pid
         self.exitcode = exitcode
         self.indices = list(indices)
 
-    def __reduce__(self):
-        return (_rebuild_crash, (str(self), self.worker_id, self.exitcode, self.indices))
 
-
-def _rebuild_crash(message, worker_id, exitcode, indices):
-    return WorkerCrashedError(message, worker_id=worker_id, exitcode=exitcode, indices=indices)
-
-
-class DataLoaderTimeoutError(RuntimeError, TimeoutError):
+class DataLoaderTimeoutError(_Rebuildable, RuntimeError, TimeoutError):
     """No batch arrived within ``timeout`` seconds, or a read took longer than ``read_timeout``.
 
     A ``RuntimeError`` (what torch's DataLoader raises) and a ``TimeoutError``. ``stuck`` lists
@@ -47,21 +54,30 @@ class DataLoaderTimeoutError(RuntimeError, TimeoutError):
         super().__init__(message)
         self.stuck = list(stuck)
 
-    def __reduce__(self):
-        return (_rebuild_timeout, (str(self), self.stuck))
 
-
-def _rebuild_timeout(message, stuck):
-    return DataLoaderTimeoutError(message, stuck=stuck)
-
-
-class LoaderClosedError(RuntimeError):
+class LoaderClosedError(_Rebuildable, RuntimeError):
     """The loader was closed: iterating it again is a usage error, not a failure."""
 
 
-class TooManyErrorsError(RuntimeError):
+class TooManyErrorsError(_Rebuildable, RuntimeError):
     """``on_error="skip"`` skipped more samples than ``max_errors`` allows in one epoch; the
     last failure is its ``__cause__``."""
+
+
+def crash_message(pid: int | None, exitcode: int | None) -> str:
+    """How a dead worker is reported, worded as torch words it (log filters and code match
+    ``DataLoader worker (pid N) is killed by signal: ...``)."""
+    import signal
+
+    if exitcode is None:
+        return f"DataLoader worker (pid {pid}) closed its connection and is still running."
+    if exitcode < 0:
+        try:
+            name = signal.strsignal(-exitcode) or f"Unknown signal {-exitcode}"
+        except ValueError:
+            name = f"Unknown signal {-exitcode}"
+        return f"DataLoader worker (pid {pid}) is killed by signal: {name}."
+    return f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}."
 
 
 def describe_exit(exitcode: int | None) -> str:

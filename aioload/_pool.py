@@ -18,7 +18,8 @@ import time
 import weakref
 
 from aioload import _wire
-from aioload._errors import WorkerCrashedError, describe_exit, unpack_exception
+from aioload._errors import WorkerCrashedError, crash_message, describe_exit, unpack_exception
+from aioload._resources import watch_exit
 from aioload._shm import Segment, send_fd
 from aioload._worker import PROGRESS_ID, SLOT_HEADER, WorkerConfig, worker_main
 
@@ -61,6 +62,7 @@ class WorkerPool:
     """``num_workers`` processes, each holding one copy of the dataset."""
 
     def __init__(self, cfg: WorkerConfig, num_workers: int, context):
+        watch_exit()  # stopped before a multiprocessing child joins its children (NOTE [exit hooks])
         self.num_workers = num_workers
         self.context = context
         self.procs: list[mp.process.BaseProcess] = []
@@ -296,12 +298,17 @@ class PoolSession:
             heapq.heappush(heap, request)
 
     def _start(self, wid: int, request: _Request) -> None:
+        kind, task_id, slot, payload = request.message
+        try:
+            data = _wire.encode((kind, task_id, slot, payload, self._drops[wid]))
+        except Exception as exc:  # noqa: BLE001 - an index or read result that does not pickle
+            request.future.set_exception(_wire.unsendable(exc, request.indices))
+            return  # nothing was sent: the worker stays free and the pool stays usable
         request.worker = wid
         self._idle.clear()
-        kind, task_id, slot, payload = request.message
-        drops, self._drops[wid] = self._drops[wid], []
+        self._drops[wid] = []
         self._inflight[wid][task_id] = request
-        self._post(wid, _wire.encode((kind, task_id, slot, payload, drops)))
+        self._post(wid, data)
 
     async def serve(self) -> None:
         """Read every worker's replies until cancelled; a dead worker breaks the pool.
@@ -371,10 +378,11 @@ class PoolSession:
         await asyncio.to_thread(proc.join, 1.0)
         indices = [i for r in self._inflight[wid].values() for i in r.indices]
         exc = WorkerCrashedError(
-            f"aioload worker {wid} (pid {proc.pid}) {describe_exit(proc.exitcode)} while "
-            f"working on dataset indices {indices}. If it ran out of memory, lower num_workers "
-            f"or batch_size; if it crashed in native code, check those samples.",
+            f"{crash_message(proc.pid, proc.exitcode)} aioload worker {wid} {describe_exit(proc.exitcode)} "
+            f"while working on dataset indices {indices}. If it ran out of memory, lower "
+            f"num_workers or batch_size; if it crashed in native code, check those samples.",
             worker_id=wid,
+            pid=proc.pid,
             exitcode=proc.exitcode,
             indices=indices,
         )

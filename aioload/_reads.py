@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from aioload import _wire
 from aioload._budget import where
 from aioload._dataset import NOT_READY
 from aioload._errors import DataLoaderTimeoutError
@@ -64,14 +65,32 @@ class ReadStage:
             read = iter(await asyncio.gather(*(self._read(i) for i in waiting), return_exceptions=True))
             results = [next(read) if r is NOT_READY else r for r in results]
         items = []
+        pickled = self.pool is not None  # what read() returned goes to a worker, pickled
         for index, result in zip(indices, results):
             if isinstance(result, BaseException):
                 if isinstance(result, asyncio.CancelledError) or not isinstance(result, Exception):
                     raise result
                 self.budget.failed([index], result)
                 continue
+            if pickled and (bad := _wire.unpicklable(result)) is not None:
+                self.budget.failed([index], self._unpicklable(index, result, *bad))
+                continue
             items.append((index, result))
         return items
+
+    def _unpicklable(self, index, result, part, error: Exception) -> TypeError:
+        what = f"a {_type_name(result)}"
+        if part is not result:
+            what += f" holding a {_type_name(part)}"
+        exc = TypeError(
+            f"dataset.read({index!r}) returned {what}, which cannot be pickled to reach a worker "
+            f"process ({type(error).__name__}: {error}). read() runs in the loader's process and "
+            "decode() in a worker: return bytes, numbers, strings, arrays or tensors from read(), "
+            "and open files, locks or clients in decode()"
+        )
+        exc.__cause__ = error
+        exc.add_note(f"while reading dataset index {index}{self._where(index)}")
+        return exc
 
     def _read_nowait(self, indices) -> list:
         """What ``dataset.read_nowait`` has at hand for each index (``NOT_READY`` for the
@@ -109,3 +128,8 @@ def _nbytes(raw) -> int:
     if isinstance(raw, tuple) and raw and isinstance(raw[0], (bytes, bytearray, memoryview)):
         return len(raw[0])
     return 0
+
+
+def _type_name(value) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"

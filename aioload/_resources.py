@@ -1,8 +1,9 @@
 """What a loader must release (its engine, worker pool and slots), kept apart from the loader
-so a finalizer can reach it, and the hook that releases every loader at interpreter exit."""
+so a finalizer can reach it, and the hooks that release every loader when its process exits."""
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import threading
 import warnings
@@ -33,6 +34,13 @@ class _Resources:
         self.workers = 0  # worker processes per pool, once one has been started
         self.epoch_state: dict | None = None
         self.executor = None  # an aioload._executor.ExecutorStage with executor=
+        watch_exit()
+
+    def started_here(self) -> bool:
+        """Whether this process made the loader or started its worker pool (a loader inherited
+        by a forked child belongs to the parent, unless the child iterated it itself)."""
+        pool = self.pool
+        return self.pid == os.getpid() or (pool is not None and pool.owner == os.getpid())
 
     def stop_engine(self) -> None:
         engine, self.engine = self.engine, None
@@ -75,12 +83,31 @@ def _finalize_loader(res: _Resources) -> None:
 
 
 def _close_all_at_exit() -> None:
-    """Runs before the interpreter joins threads: stop every engine, then every pool."""
+    """Stop every engine, then every pool, of the loaders this process started. Idempotent:
+    it runs from whichever exit hook comes first (see :func:`watch_exit`)."""
     global _EXITING
     _EXITING = True
     for res in list(_LIVE):
-        if res.pid == os.getpid():
+        if res.started_here():
             res.close()
+
+
+# NOTE [exit hooks]: a main interpreter runs threading's exit hooks, then joins the threads
+# that are not daemons, then runs ``atexit``: the threading hook stops the engine threads
+# before that join. A ``multiprocessing`` child never runs ``atexit``: its last act is
+# ``multiprocessing.util._exit_function``, which runs the finalizers that have an exit priority
+# and then joins every child process that is not a daemon, the loader's workers among them, and
+# workers that are never told to stop are joined forever. A ``Finalize`` with an exit priority
+# stops them first. The child clears the finalizers it inherited when it starts, so the hook
+# is registered again in every process that makes a loader or starts a pool.
+_exit_hook: multiprocessing.util.Finalize | None = None
+
+
+def watch_exit() -> None:
+    """Make sure this process stops its loaders on the way out, also as a multiprocessing child."""
+    global _exit_hook
+    if _exit_hook is None or not _exit_hook.still_active():
+        _exit_hook = multiprocessing.util.Finalize(None, _close_all_at_exit, exitpriority=100)
 
 
 if hasattr(threading, "_register_atexit"):

@@ -72,13 +72,14 @@ class RetryPolicy:
 
 class RemoteReadError(OSError):
     """A remote read failed for good. ``url``, ``attempts`` and ``status`` (the last HTTP
-    status, ``None`` when no response came back) are attributes.
+    status, ``None`` when no response came back) are attributes (``None``, ``0`` and ``None``
+    for an error made from a message alone, as torch's ``ExceptionWrapper`` makes one).
 
     A missing object (HTTP 404 or 410, or the object store's "no such key") raises a
     subclass that is also a :class:`FileNotFoundError`, as a missing local file would.
     """
 
-    def __init__(self, message: str, url: str, attempts: int, status: int | None):
+    def __init__(self, message: str, url: str | None = None, attempts: int = 0, status: int | None = None):
         super().__init__(message)
         self.url = url
         self.attempts = attempts
@@ -88,7 +89,7 @@ class RemoteReadError(OSError):
         return self.args[0]
 
     def __reduce__(self):
-        return (type(self), (self.args[0], self.url, self.attempts, self.status))
+        return (type(self), (self.args[0],), self.__dict__)  # the notes too
 
 
 class RemoteNotFoundError(RemoteReadError, FileNotFoundError):

@@ -1,7 +1,8 @@
 """Length-prefixed pickled messages over a Unix socket: blocking in workers, asyncio in the engine.
 
-Messages are small (indices, slot offsets, pickled sample skeletons): decoded pixels travel
-through shared-memory slots, never through these sockets.
+Messages are mostly small (indices, slot offsets, pickled sample skeletons): decoded pixels
+travel through shared-memory slots, never through these sockets. What ``Dataset.read`` returned
+(a remote file's bytes) does travel here, to the worker that decodes it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import socket
 import struct
 
 _HEADER = struct.Struct("<Q")
+
+SHRINK_AFTER = 8
+"""Smaller messages in a row after which a reader's grown buffer goes back to its first size."""
 
 
 def encode(message: object) -> bytes:
@@ -22,6 +26,59 @@ def send_blocking(sock: socket.socket, message: object) -> None:
     sock.sendall(encode(message))
 
 
+_PICKLES: set[type] = {bytes, bytearray, str, int, float, bool, complex, type(None)}
+"""Types known to pickle: the plain ones, and each type a value of which has pickled here."""
+
+_LOOK_INTO = 32
+"""Values :func:`unpicklable` looks at in one container before it trusts the rest: a read
+that returns thousands of numbers must not pay a check per number."""
+
+
+def unpicklable(value: object) -> tuple[object, Exception] | None:
+    """``None`` when ``value`` can travel to a worker; else the part of it that cannot be
+    pickled, and the error. Tuples, lists and dicts are looked into (up to ``_LOOK_INTO``
+    values); a value of any other type is pickled once, its buffers left out of band (an
+    array's data is not copied), and a type whose value pickled is not tried again. A value
+    that slips through (past the look-into bound, or a type that pickles only sometimes)
+    fails when its task is sent, as the error of its batch."""
+    budget = [_LOOK_INTO]
+    return _unpicklable(value, budget)
+
+
+def _unpicklable(value, budget: list) -> tuple[object, Exception] | None:
+    kind = type(value)
+    budget[0] -= 1
+    if kind in _PICKLES or budget[0] < 0:
+        return None
+    if kind is tuple or kind is list or kind is dict:
+        for item in (value.items() if kind is dict else value):
+            if budget[0] <= 0:
+                return None
+            found = _unpicklable(item, budget)
+            if found is not None:
+                return found
+        return None
+    try:
+        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=_out_of_band)
+    except Exception as exc:  # noqa: BLE001 - whatever pickling raised is the answer
+        return value, exc
+    _PICKLES.add(kind)
+    return None
+
+
+def unsendable(error: Exception, indices) -> TypeError:
+    """The error of a task that could not be pickled (``error``) for dataset ``indices``."""
+    exc = TypeError(f"the task for dataset indices {list(indices)} cannot be pickled to reach a "
+                    f"worker process ({type(error).__name__}: {error}); a sampler's indices and "
+                    "what read() returns must pickle")
+    exc.__cause__ = error
+    return exc
+
+
+def _out_of_band(buffer) -> bool:
+    return False  # leave the buffer out of the trial pickle: only its structure is checked
+
+
 class Reader:
     """Messages from one socket: :meth:`read_available` from a loop's reader callback (a
     non-blocking socket), :meth:`recv_blocking` in a worker. Reads whatever has arrived into
@@ -31,9 +88,16 @@ class Reader:
 
     def __init__(self, sock: socket.socket, size: int = 1 << 16):
         self.sock = sock
+        self._size = size  # the capacity a grown buffer returns to
         self._buf = bytearray(size)
         self._start = 0  # first unparsed byte
         self._end = 0  # one past the last byte received
+        self._small = 0  # messages in a row that needed at most half of a grown buffer
+
+    @property
+    def capacity(self) -> int:
+        """Bytes the buffer holds now: the initial size, or more while large messages come."""
+        return len(self._buf)
 
     def _parse(self):
         start, end = self._start, self._end
@@ -45,7 +109,20 @@ class Reader:
             return _INCOMPLETE
         message = pickle.loads(memoryview(self._buf)[start + _HEADER.size : stop])
         self._start, self._end = (0, 0) if stop == end else (stop, end)
+        self._fit(stop - start)
         return message
+
+    def _fit(self, size: int) -> None:
+        """Give a buffer grown for a large message back once ``SHRINK_AFTER`` messages in a
+        row have needed at most half of it: a worker that was sent one large task must not
+        hold that much memory for the rest of its life, and a stream of large tasks must not
+        reallocate the buffer for each."""
+        if len(self._buf) == self._size:
+            return
+        self._small = self._small + 1 if 2 * size <= len(self._buf) else 0
+        if self._small >= SHRINK_AFTER and self._start == self._end:
+            self._buf = bytearray(self._size)
+            self._small = 0
 
     def _room(self) -> None:
         """Move the unparsed tail to the front, or into a new, larger buffer when the message

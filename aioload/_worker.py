@@ -67,6 +67,14 @@ PROGRESS_ID = -1
 COLLATING = -2
 """The progress cell's index while ``collate_fn`` runs (``-1``: no sample index known)."""
 
+_CELL_MAX = (1 << 63) - 1
+
+
+def _cell(index) -> int:
+    """What a progress cell (an int64) holds for ``index``: the index when it is an ``int``
+    that fits, else ``-1`` (not known). A sampler may yield any index, 2**64 or a key."""
+    return index if isinstance(index, int) and (0 <= index <= _CELL_MAX or index == COLLATING) else -1
+
 
 class _Worker:
     def __init__(self, worker_id: int, cfg: WorkerConfig, sock, ctrl, progress=None):
@@ -130,8 +138,7 @@ class _Worker:
         """Note in shared memory which sample this worker is on (read by the parent only when
         ``timeout=`` expires, to name the sample that is stuck)."""
         if self.progress is not None:
-            known = index if isinstance(index, int) and (index >= 0 or index == COLLATING) else -1
-            self.progress[2 * self.id + 1] = known
+            self.progress[2 * self.id + 1] = _cell(index)
             self.progress[2 * self.id] = self.task
 
     def batched(self) -> bool:
@@ -181,7 +188,7 @@ class _Worker:
         samples, errors = [], []
         for pos, index in enumerate(items):
             if progress is not None:
-                progress[cell] = index if type(index) is int and index >= 0 else -1
+                progress[cell] = index if type(index) is int and 0 <= index <= _CELL_MAX else -1
             try:
                 samples.append(dataset[index])
             except Exception as exc:  # noqa: BLE001

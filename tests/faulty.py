@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import faulthandler
 import os
 import signal
 import struct
@@ -91,7 +92,14 @@ def _fires(once: str | None) -> bool:
 
 
 def crash(fault: str, index: int) -> None:
-    """Make the current process fail, die or hang the way ``fault`` says."""
+    """Make the current process fail, die or hang the way ``fault`` says.
+
+    A deliberate segfault first turns ``faulthandler`` off in the worker: pytest enables it,
+    forked workers inherit it, and it writes each crashed worker's stacks (fifty lines) to
+    the terminal's stderr, past pytest's capture, in the output of a passing run. A segfault
+    that nobody planned still prints them (``test_fault_edges`` checks both)."""
+    if fault in ("segv", "ctypes-segv"):
+        faulthandler.disable()
     if fault == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault == "segv":

@@ -192,16 +192,21 @@ def test_worker_init_fn_error_reaches_the_consumer(make, before):
 # -- a worker that dies ---------------------------------------------------------------------
 
 CRASHES = [
-    pytest.param("kill", FaultyDataset, -signal.SIGKILL, "was killed by SIGKILL", id="sigkill"),
-    pytest.param("segv", FaultyDataset, -signal.SIGSEGV, "was killed by SIGSEGV", id="sigsegv"),
-    pytest.param("ctypes-segv", FaultyDataset, -signal.SIGSEGV, "was killed by SIGSEGV", id="null-pointer"),
-    pytest.param("exit", FaultyDataset, 3, "exited with code 3", id="os-exit"),
-    pytest.param("kill", FaultyMapDataset, -signal.SIGKILL, "was killed by SIGKILL", id="sigkill-getitem"),
+    pytest.param("kill", FaultyDataset, -signal.SIGKILL, "is killed by signal: Killed", "was killed by SIGKILL",
+                 id="sigkill"),
+    pytest.param("segv", FaultyDataset, -signal.SIGSEGV, "is killed by signal: Segmentation fault",
+                 "was killed by SIGSEGV", id="sigsegv"),
+    pytest.param("ctypes-segv", FaultyDataset, -signal.SIGSEGV, "is killed by signal: Segmentation fault",
+                 "was killed by SIGSEGV", id="null-pointer"),
+    pytest.param("exit", FaultyDataset, 3, "exited unexpectedly with exit code 3", "exited with code 3", id="os-exit"),
+    pytest.param("kill", FaultyMapDataset, -signal.SIGKILL, "is killed by signal: Killed", "was killed by SIGKILL",
+                 id="sigkill-getitem"),
 ]
 
 
-@pytest.mark.parametrize("fault, dataset, exitcode, how", CRASHES)
-def test_worker_crash_raises_worker_crashed_error_then_a_fresh_pool_serves(make, before, fault, dataset, exitcode, how):
+@pytest.mark.parametrize("fault, dataset, exitcode, torch_how, how", CRASHES)
+def test_worker_crash_raises_worker_crashed_error_then_a_fresh_pool_serves(make, before, fault, dataset, exitcode,
+                                                                          torch_how, how):
     ds = make({13: fault}, dataset, once=True)
     with aioload.DataLoader(ds, batch_size=BATCH, num_workers=2, timeout=20) as loader:
         with pytest.raises(aioload.WorkerCrashedError) as info:
@@ -210,10 +215,13 @@ def test_worker_crash_raises_worker_crashed_error_then_a_fresh_pool_serves(make,
         assert exc.exitcode == exitcode
         assert exc.worker_id in (0, 1)
         assert 13 in exc.indices
+        assert isinstance(exc.pid, int) and gone(exc.pid)
+        # torch's own words first (torch's DataLoader says "DataLoader worker (pid 123) is
+        # killed by signal: Killed. "), then aioload's
         assert re.fullmatch(
-            rf"aioload worker {exc.worker_id} \(pid \d+\) {how} while working on dataset indices "
-            rf"\[[\d, ]*\b13\b[\d, ]*\]\. If it ran out of memory, lower num_workers or batch_size; "
-            r"if it crashed in native code, check those samples\.",
+            rf"DataLoader worker \(pid {exc.pid}\) {torch_how}\. aioload worker {exc.worker_id} {how} while "
+            rf"working on dataset indices \[[\d, ]*\b13\b[\d, ]*\]\. If it ran out of memory, lower num_workers "
+            r"or batch_size; if it crashed in native code, check those samples\.",
             str(exc),
         )
         assert loader.stats().worker_restarts == 0
