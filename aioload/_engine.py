@@ -200,9 +200,13 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
                 if failed is not None:
                     raise failed
             finally:
-                if not await session.drain(self.drain_timeout):
-                    self.clean = False
-                serve.cancel()
+                try:
+                    if not await session.drain(self.drain_timeout):
+                        self.clean = False
+                finally:
+                    serve.cancel()
+                    if not await session.aclose():
+                        self.clean = False
         return total
 
     async def _release_holds(self) -> None:

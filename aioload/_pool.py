@@ -417,6 +417,20 @@ class PoolSession:
                  for task_id, r in inflight.items() if r.priority == priority]
         return found + [(r.indices, None, None) for r in self._pending if r.priority == priority]
 
+    async def aclose(self) -> bool:
+        """End the tasks this session started (backlog flushes, crash reports) and wait for
+        them, so that none outlives the epoch's event loop. ``False`` when a message was cut
+        short: that worker's stream is then unusable and the pool must not serve another epoch."""
+        whole = not any(self._backlog)
+        tasks = [task for task in self._flushing if task is not None] + list(self._crash_reports)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for backlog in self._backlog:
+            backlog.clear()
+        return whole
+
     async def drain(self, timeout: float) -> bool:
         """Wait until the workers have answered every task sent to them (so no slot is still
         being written); ``False`` if that took longer than ``timeout``."""
