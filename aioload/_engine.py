@@ -141,8 +141,8 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
         self._io = Limiter(self.spec.io_concurrency)
         nowait = getattr(self.spec.dataset, "read_nowait", None)
         self._nowait = None if getattr(nowait, "__func__", None) is Dataset.read_nowait else nowait
-        self._probing = False  # a batch is teaching the layout
-        self._taught = asyncio.Event()  # set once the layout is known (or the teacher is done)
+        self._teachers = 0  # workers the batches teaching the layout have given work to
+        self._lesson = asyncio.Event()  # set (and replaced) when the layout is learned or a teacher ends
         started.set()
         try:
             total = await self._tuned()
@@ -227,7 +227,7 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
     async def _batch(self, seq: int, indices) -> None:
         self._open[seq] = indices if isinstance(indices, list) else [indices]
         try:
-            item = await self._learn_first(self._make, seq, indices)
+            item = await self._learn_first(self._make, seq, indices, shares=self._shares(indices))
         except (WorkerCrashedError, TooManyErrorsError):
             raise
         except Exception as exc:  # noqa: BLE001 - this batch fails, the epoch goes on
@@ -240,18 +240,28 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
             self._permits.release()  # nothing for the consumer to take
         self._put(seq, item)
 
-    async def _learn_first(self, make, *args):
-        """Until the first reply has shown the batch layout, one batch runs alone and the others
-        wait for that reply: every later batch can then be written straight into a slot."""
-        if self._learning():
-            if not self._probing:
-                self._probing = True
-                try:
-                    return await make(*args)
-                finally:
-                    self._taught.set()
-            await self._taught.wait()
+    async def _learn_first(self, make, *args, shares: int = 1):
+        """Until a reply has shown the batch layout, batches that teach it start at once, as
+        long as there are workers for them (``shares``: the workers a batch's first tasks
+        occupy, one sample each); the others wait for the layout, and are then written straight
+        into slots. Every worker thus gets work at once, as in torch: workers that wait for one
+        another (a barrier in per-worker set-up) do not deadlock."""
+        while self._learning():
+            if self._teachers and self._teachers + shares > self.spec.num_workers:
+                await self._lesson.wait()
+                continue
+            self._teachers += shares
+            try:
+                return await make(*args)
+            finally:
+                self._teachers -= shares
+                self._lesson_learned()
         return await make(*args)
+
+    def _lesson_learned(self) -> None:
+        """Wake the batches waiting for the layout (it is known, or a teacher is done)."""
+        self._lesson.set()
+        self._lesson = asyncio.Event()
 
     def _learning(self) -> bool:
         shared = self.shared
