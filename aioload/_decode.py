@@ -83,8 +83,8 @@ class DecodeStage:
     def _chunk(self, n: int) -> int:
         """Rows per task: the whole batch split across the workers, smaller once decode time
         is known so that no task takes much longer than ``CHUNK_SECONDS``."""
-        if self.spec.batched_fetch:
-            return n
+        if self.spec.batched_fetch or self._round_robin:
+            return n  # torch's way: the batch in one worker
         size = max(1, math.ceil(n / self.spec.num_workers))
         per_sample = self.shared.per_sample_s
         if per_sample is None:
@@ -119,12 +119,24 @@ class DecodeStage:
 
     def _shares(self, indices) -> int:
         """The workers a batch's first tasks go to: one per chunk in rows mode, else one."""
-        if self.spec.mode != "rows" or self.spec.batched_fetch:
+        if self.spec.mode != "rows" or self.spec.batched_fetch or self._round_robin:
             return 1
         n = len(self._batch_indices(indices))
         return min(self.spec.num_workers, len(range(0, n, self._chunk(n))))
 
-    async def _rows(self, seq: int, indices, chunked: bool | None = None) -> Ready:
+    async def _send(self, kind: str, slot, payload, indices, seq: int, turn, last: bool = True) -> tuple:
+        """Submit one task of batch ``seq``; its reply. With a ``turn`` (round-robin dispatch),
+        to the batch's worker once the worker's previous batch has queued its tasks; ``last``:
+        this batch has no other task to queue, and the worker's next batch may go."""
+        if turn is None:
+            return await self._session.submit(kind, slot, payload, indices, seq)
+        await turn.wait()
+        future = self._session.enqueue(kind, slot, payload, indices, seq, worker=turn.worker)
+        if last:
+            turn.sent()
+        return await future
+
+    async def _rows(self, seq: int, indices, chunked: bool | None = None, turn=None) -> Ready:
         indices = self._batch_indices(indices) if chunked is None else indices
         n = len(indices)
         size = self._chunk(n)
@@ -134,7 +146,7 @@ class DecodeStage:
             # While the layout is unknown, each task's first sample goes alone, all at once (one
             # worker each); the first reply shows the layout, and the rest of every task is
             # then written straight into the slot.
-            probes = await self._probes(seq, [indices[s] for s in starts], n)
+            probes = await self._probes(seq, [indices[s] for s in starts], n, turn)
             probes = dict(zip(starts, probes))
         slot = self._slot(n)
         layout = slot.layout if slot is not None else None
@@ -153,7 +165,7 @@ class DecodeStage:
             if not items:
                 return None
             mode = self.shared.chunked if chunked is None else chunked
-            return await self._session.submit("rows", desc, (items, start, mode), part, seq)
+            return await self._send("rows", desc, (items, start, mode), part, seq, turn)
 
         spans = [(lo, hi) for lo, hi in spans if lo < hi]
         # gather, not a task group: a chunk already sent to a worker must finish before the
@@ -177,7 +189,7 @@ class DecodeStage:
             # A chunk could not be collated (samples of different shapes, say): collate the
             # whole batch in this process instead, so the error is default_collate's own.
             self._release_slot(slot)
-            return await self._rows(seq, indices, chunked=False)
+            return await self._rows(seq, indices, chunked=False, turn=turn)
         rows, errors, chunks = [], [], []
         for start, reply, probe in parts:
             if reply is None or reply is _NOTHING:
@@ -210,16 +222,16 @@ class DecodeStage:
             if ready is None:
                 # Chunks that collated one by one do not join (samples of different shapes or
                 # lengths): collate the whole batch here, so the error is default_collate's own.
-                return await self._rows(seq, indices, chunked=False)
+                return await self._rows(seq, indices, chunked=False, turn=turn)
             return ready
         return self._assemble(slot, rows, rows_mode=True)
 
-    async def _probes(self, seq: int, indices: list, batch_len: int) -> list:
+    async def _probes(self, seq: int, indices: list, batch_len: int, turn=None) -> list:
         """Decode each of ``indices`` alone, at once, without a slot; the replies (``_NOTHING``
         for a sample skipped at its read). Each waits for the others, since they were sent
         together: none can fail while a sibling is still being decoded."""
         if len(indices) == 1:  # no gather: its extra hop would let waiting batches read first
-            return [await self._probe(seq, indices[0], batch_len)]
+            return [await self._probe(seq, indices[0], batch_len, turn)]
         replies = await asyncio.gather(*(self._probe(seq, i, batch_len) for i in indices), return_exceptions=True)
         for reply in replies:
             if isinstance(reply, BaseException):
@@ -238,13 +250,13 @@ class DecodeStage:
             payload = move_into_slot(payload, slot.segment, layout, row)
         return probe[:2] + ([payload],) + probe[3:]
 
-    async def _probe(self, seq: int, index, batch_len: int):
+    async def _probe(self, seq: int, index, batch_len: int, turn=None):
         """Decode one sample without a slot and learn the layout from it: slots of
         ``batch_size`` rows, or of ``batch_len`` (this batch's length) under a batch sampler."""
         items = await self._read_items([index])
         if not items:
             return _NOTHING
-        reply = await self._session.submit("rows", None, (items, 0, None), [index], seq)
+        reply = await self._send("rows", None, (items, 0, None), [index], seq, turn, last=False)
         # Not timed: a worker's first sample pays for cold caches and lazy imports (8 ms
         # against 10 us for a 128-token row), which would cut the next batches into tiny tasks.
         self._note_reply(reply, self.spec.batch_size or batch_len, timed=False)
@@ -258,7 +270,7 @@ class DecodeStage:
             if done:
                 self.shared.chunked = done[0].startswith(CHUNK_MAGIC)
 
-    async def _whole(self, seq: int, indices) -> Ready:
+    async def _whole(self, seq: int, indices, turn=None) -> Ready:
         batch_indices = self._batch_indices(indices)
         items = await self._read_items(batch_indices)
         if not items:
@@ -269,9 +281,7 @@ class DecodeStage:
             layout = slot.layout
             desc = (slot.id, layout.describe(), (layout.fixed_bytes, layout.size))
         try:
-            reply = await self._session.submit(
-                "whole", desc, (items, self.spec.on_error == "skip"), batch_indices, seq
-            )
+            reply = await self._send("whole", desc, (items, self.spec.on_error == "skip"), batch_indices, seq, turn)
             self._note_reply(reply, 1)
             if reply[3]:
                 self._skip(self._errors(reply))

@@ -35,7 +35,7 @@ from aioload._limiter import Limiter
 from aioload._pool import PoolSession, WorkerPool
 from aioload._reads import ReadStage
 from aioload._ready import SKIP, ReadyQueue
-from aioload._spec import Failure, Plan, Ready, Shared, Spec, _Cancelled, resize_permits
+from aioload._spec import Failure, Plan, Ready, Shared, Spec, Turn, _Cancelled, resize_permits
 from aioload._stats import StatsRecorder
 from aioload._stuck import StuckReport
 
@@ -78,6 +78,13 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
         self.budget = ErrorBudget(spec.on_error, spec.max_errors, spec.epoch_samples, stats.skip)
         self._open: dict[int, list] = {}  # batches started and not yet handed to the ready queue
         self._reading: dict[Any, str] = {}  # index -> "read" or "waiting for a read slot"
+        # torch's dispatch wherever a user can tell: without seed= (per-sample seeds), which
+        # worker loads a batch decides its random draws, so batch i goes whole to worker i mod N
+        # and each worker loads its batches in order (see Turn). in_order=False lets torch
+        # give a batch to any worker with room: the least-loaded one, split into chunks, here.
+        self._round_robin = (pool is not None and spec.in_order and spec.mode in ("rows", "whole")
+                             and not plan.per_sample_seeds)
+        self._turns: list[Turn | None] = [None] * spec.num_workers  # round-robin: each worker's last batch
 
     # -- lifetime, called from the consumer's thread ----------------------------------------
     def start(self) -> None:
@@ -220,14 +227,22 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
         total = 0
         for seq, indices in self.plan.batches:
             await self._permits.acquire()
-            tg.create_task(self._batch(seq, indices))
+            tg.create_task(self._batch(seq, indices, self._turn(seq)))
             total = seq + 1
         return total
 
-    async def _batch(self, seq: int, indices) -> None:
+    def _turn(self, seq: int) -> Turn | None:
+        """Batch ``seq``'s place in the queue of worker ``seq mod N`` (round-robin dispatch)."""
+        if not self._round_robin:
+            return None
+        wid = seq % self.spec.num_workers
+        turn = self._turns[wid] = Turn(wid, self._turns[wid])
+        return turn
+
+    async def _batch(self, seq: int, indices, turn: Turn | None = None) -> None:
         self._open[seq] = indices if isinstance(indices, list) else [indices]
         try:
-            item = await self._learn_first(self._make, seq, indices, shares=self._shares(indices))
+            item = await self._learn_first(self._make, seq, indices, turn, shares=self._shares(indices))
         except (WorkerCrashedError, TooManyErrorsError):
             raise
         except Exception as exc:  # noqa: BLE001 - this batch fails, the epoch goes on
@@ -236,6 +251,8 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
             item = Failure(forget_locals(exc))
         finally:
             self._open.pop(seq, None)
+            if turn is not None:
+                turn.sent()  # a batch that failed or sent nothing holds up no other
         if item is SKIP:
             self._permits.release()  # nothing for the consumer to take
         self._put(seq, item)
@@ -267,12 +284,12 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
         shared = self.shared
         return self.pool is not None and shared.layout is None and not shared.no_leaves
 
-    async def _make(self, seq: int, indices):
+    async def _make(self, seq: int, indices, turn: Turn | None):
         if self.spec.mode == "read":
             return await self._read_only(indices)
         if self.spec.mode == "rows":
-            return await self._rows(seq, indices)
-        return await self._whole(seq, indices)
+            return await self._rows(seq, indices, turn=turn)
+        return await self._whole(seq, indices, turn)
 
     # -- stage 4: hand-off ------------------------------------------------------------------
     def _put(self, seq: int, item) -> None:

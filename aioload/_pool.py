@@ -242,7 +242,13 @@ class PoolSession:
     async def submit(self, kind: str, slot, payload, indices, priority, worker=None) -> tuple:
         """Queue one task; returns the worker's reply. Lower ``priority`` is served first;
         ``worker`` pins the task to one worker (an IterableDataset's batches come from the
-        worker whose copy produced them)."""
+        worker whose copy produced them; round-robin dispatch gives batch i to worker i mod N)."""
+        return await self.enqueue(kind, slot, payload, indices, priority, worker)
+
+    def enqueue(self, kind: str, slot, payload, indices, priority, worker=None) -> asyncio.Future:
+        """:meth:`submit` without the wait: the task is queued when this returns, and the
+        future gets the reply. Tasks pinned to one worker reach it in ``priority`` order
+        among those queued; cancelling the future withdraws a task not yet sent."""
         if self.pool.broken is not None:
             raise self.pool.broken
         future = asyncio.get_running_loop().create_future()
@@ -253,7 +259,7 @@ class PoolSession:
             self._has_pinned = True
         heapq.heappush(self._pending, request)
         self._dispatch()
-        return await future
+        return future
 
     def _room(self, wid: int) -> bool:
         # While some workers are still starting, one task each: the first batch is then split

@@ -3,8 +3,11 @@ wait for one another must not deadlock while the loader learns the batch layout)
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
+import random
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import get_worker_info
@@ -134,5 +137,106 @@ def test_waiting_workers_of_an_iterable_dataset():
     assert [int(i) for _, labels in batches for i in labels] == [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14,
                                                                   9, 11, 13, 15, 16, 18, 20, 22, 17, 19,
                                                                   21, 23, 24, 26, 28, 30, 25, 27, 29, 31]
+
+
+
+# -- which worker loads which batch, and the random numbers it draws -------------------------
+
+
+class Draws(torch.utils.data.Dataset):
+    """Sample ``i`` records the worker that loaded it and what each of its RNGs drew."""
+
+    def __init__(self, n: int = 23):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):
+        info = get_worker_info()
+        return {"index": index, "worker": -1 if info is None else info.id, "torch": torch.rand(1),
+                "random": random.random(), "numpy": float(np.random.rand())}
+
+
+class SplitDraws(aioload.Dataset):
+    """The same draws from the split protocol's ``decode`` (``__getitem__`` for torch)."""
+
+    def __init__(self, n: int = 23):
+        self.draws = Draws(n)
+
+    def __len__(self) -> int:
+        return len(self.draws)
+
+    async def read(self, index):
+        # reads finish out of order: a later batch's reads are often done first
+        await asyncio.sleep(0.02 * (2 - index % 3))
+        return index
+
+    def decode(self, raw):
+        return self.draws[raw]
+
+    def __getitem__(self, index):
+        return self.draws[index]
+
+
+def _samples(loader, epochs: int = 3) -> list[list[tuple]]:
+    """Per epoch, per sample: ``(index, worker id, torch draw, random draw, numpy draw)``."""
+    out = []
+    for _ in range(epochs):
+        rows = []
+        for batch in loader:
+            rows += zip(batch["index"].tolist(), batch["worker"].tolist(), batch["torch"][:, 0].tolist(),
+                        batch["random"].tolist(), batch["numpy"].tolist())
+        out.append(rows)
+    return out
+
+
+def _torch_and_aioload(dataset, **kwargs) -> tuple[list, list]:
+    def generator():
+        return torch.Generator().manual_seed(1234)
+
+    kwargs = dict(batch_size=4, shuffle=True, **kwargs)
+    expected = _samples(torch.utils.data.DataLoader(dataset, generator=generator(), **kwargs))
+    with aioload.DataLoader(dataset, generator=generator(), **kwargs) as loader:
+        return expected, _samples(loader)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_without_seed_each_batch_is_loaded_by_the_worker_torch_uses(workers, persistent):
+    """Batch i is loaded whole by worker i mod N, in order, so get_worker_info().id and every
+    random draw of every sample equal torch's, in every epoch."""
+    expected, got = _torch_and_aioload(Draws(), num_workers=workers, persistent_workers=persistent)
+    assert [[s[:2] for s in epoch] for epoch in got] == [[s[:2] for s in epoch] for epoch in expected]
+    assert got == expected
+
+
+def test_without_seed_a_split_dataset_draws_as_torch_does():
+    """The split protocol too: reads finish in any order, but each worker decodes its batches
+    in the sampler's order, as torch's worker runs ``__getitem__``."""
+    expected, got = _torch_and_aioload(SplitDraws(), num_workers=2)
+    assert got == expected
+
+
+def test_without_seed_a_collate_fn_batch_is_loaded_as_in_torch():
+    expected, got = _torch_and_aioload(Draws(), num_workers=2, collate_fn=_collate_dicts)
+    assert got == expected
+
+
+def test_without_seed_unbatched_samples_go_round_robin():
+    """``batch_size=None``: each sample is a task, sample i in worker i mod N."""
+    def rows(loader):
+        return [(s["index"], s["worker"], float(s["torch"][0]), s["random"], s["numpy"]) for s in loader]
+
+    dataset = Draws(10)
+    expected = rows(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2,
+                                                generator=torch.Generator().manual_seed(5)))
+    with aioload.DataLoader(dataset, batch_size=None, num_workers=2,
+                            generator=torch.Generator().manual_seed(5)) as loader:
+        assert rows(loader) == expected
+
+
+def _collate_dicts(samples):
+    return torch.utils.data.default_collate(samples)
 
 
