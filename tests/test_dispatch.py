@@ -240,3 +240,36 @@ def _collate_dicts(samples):
     return torch.utils.data.default_collate(samples)
 
 
+
+class Photos(torch.utils.data.Dataset):
+    """Small images with torchvision's RandomResizedCrop and flip, drawn in ``__getitem__``."""
+
+    def __init__(self, n: int = 24):
+        from torchvision.transforms import v2
+
+        self.images = torch.randint(0, 256, (n, 3, 40, 32), generator=torch.Generator().manual_seed(0),
+                                    dtype=torch.uint8)
+        self.transform = v2.Compose([v2.RandomResizedCrop(16, antialias=True), v2.RandomHorizontalFlip()])
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index):
+        return self.transform(self.images[index]), index
+
+
+def test_without_seed_random_augmentations_equal_torchs_from_the_first_epoch():
+    """RandomResizedCrop without seed=: the same crops as torch's DataLoader in every epoch,
+    the first included (where least-loaded dispatch gave batches to other workers)."""
+    def epochs(loader):
+        return [[batch for batch in loader] for _ in range(3)]
+
+    kwargs = dict(batch_size=4, shuffle=True, num_workers=2)
+    expected = epochs(torch.utils.data.DataLoader(Photos(), generator=torch.Generator().manual_seed(9), **kwargs))
+    with aioload.DataLoader(Photos(), generator=torch.Generator().manual_seed(9), **kwargs) as loader:
+        got = epochs(loader)
+    for want_epoch, got_epoch in zip(expected, got):
+        assert len(want_epoch) == len(got_epoch) == 6
+        for (want, want_index), (have, have_index) in zip(want_epoch, got_epoch):
+            assert torch.equal(have_index, want_index)
+            assert torch.equal(have, want)
