@@ -137,6 +137,7 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
             loop.run_until_complete(self._entry(started))
         finally:
             try:
+                _cancel_leftovers(loop)
                 loop.run_until_complete(loop.shutdown_asyncgens())
             finally:
                 _shutdown_executor(executor, IO_GRACE)
@@ -311,6 +312,19 @@ async def _hold_until(event, batch) -> None:
     while not event.query():
         await asyncio.sleep(0.0005)
     del batch
+
+
+def _cancel_leftovers(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel and await what still runs on ``loop`` once the epoch is over, as ``asyncio.run``
+    does: tasks a dataset's ``read`` left behind (a prefetch, a client's clean-up). The engine's
+    own tasks have all ended by then; a task left pending would print "Task was destroyed but
+    it is pending!" when the loop is closed."""
+    tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    if not tasks:
+        return
+    for task in tasks:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
 
 
 def _shutdown_executor(executor: concurrent.futures.ThreadPoolExecutor, grace: float) -> None:
