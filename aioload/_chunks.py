@@ -252,6 +252,8 @@ def _join(nodes, view, spans, contiguous: bool):
             return kind(joined)
         except TypeError:
             return joined
+    if isinstance(first, (list, tuple)) and any(len(n) != len(first) for n in nodes):
+        raise ValueError("chunks hold sequences of different lengths")  # default_collate's error, in rows
     if isinstance(first, tuple) and hasattr(kind, "_fields"):
         return kind(*[_join(list(column), view, spans, contiguous) for column in zip(*nodes)])
     if isinstance(first, (list, tuple)):

@@ -60,7 +60,7 @@ class DecodeStage:
             shared.no_leaves = True
         else:
             shared.layout = Layout(specs, rows, overflow=0)
-        self._taught.set()
+        self._lesson_learned()
 
     def _note_reply(self, reply, rows: int, timed: bool = True) -> None:
         """Learn from a worker's reply: the layout, decode statistics and, when ``timed``,
@@ -83,8 +83,8 @@ class DecodeStage:
     def _chunk(self, n: int) -> int:
         """Rows per task: the whole batch split across the workers, smaller once decode time
         is known so that no task takes much longer than ``CHUNK_SECONDS``."""
-        if self.spec.batched_fetch:
-            return n
+        if self.spec.batched_fetch or self._round_robin:
+            return n  # torch's way: the batch in one worker
         size = max(1, math.ceil(n / self.spec.num_workers))
         per_sample = self.shared.per_sample_s
         if per_sample is None:
@@ -117,40 +117,64 @@ class DecodeStage:
             index = error[1]
             self.budget.failed(index if isinstance(index, list) else [index], self._unpack(error))
 
-    async def _rows(self, seq: int, indices, chunked: bool | None = None) -> Ready:
-        indices = self._batch_indices(indices) if chunked is None else indices
-        probe = None
-        if self._learning() and not self.spec.batched_fetch:  # __getitems__ gets whole batches only
-            # This batch teaches the layout: one sample first; its reply shows the layout, and
-            # the rest of the batch is then written straight into a slot.
-            probe = await self._probe(seq, indices[0], len(indices))
-        slot = self._slot(len(indices))
-        layout = slot.layout if slot is not None else None
-        size = self._chunk(len(indices))
-        starts = list(range(0 if probe is None else 1, len(indices), size))
+    def _shares(self, indices) -> int:
+        """The workers a batch's first tasks go to: one per chunk in rows mode, else one."""
+        if self.spec.mode != "rows" or self.spec.batched_fetch or self._round_robin:
+            return 1
+        n = len(self._batch_indices(indices))
+        return min(self.spec.num_workers, len(range(0, n, self._chunk(n))))
 
-        async def chunk(start: int):
-            part = indices[start : start + size]
+    async def _send(self, kind: str, slot, payload, indices, seq: int, turn, last: bool = True) -> tuple:
+        """Submit one task of batch ``seq``; its reply. With a ``turn`` (round-robin dispatch),
+        to the batch's worker once the worker's previous batch has queued its tasks; ``last``:
+        this batch has no other task to queue, and the worker's next batch may go."""
+        if turn is None:
+            return await self._session.submit(kind, slot, payload, indices, seq)
+        await turn.wait()
+        future = self._session.enqueue(kind, slot, payload, indices, seq, worker=turn.worker)
+        if last:
+            turn.sent()
+        return await future
+
+    async def _rows(self, seq: int, indices, chunked: bool | None = None, turn=None) -> Ready:
+        indices = self._batch_indices(indices) if chunked is None else indices
+        n = len(indices)
+        size = self._chunk(n)
+        starts = list(range(0, n, size))
+        probes = {}
+        if self._learning() and not self.spec.batched_fetch:  # __getitems__ gets whole batches only
+            # While the layout is unknown, each task's first sample goes alone, all at once (one
+            # worker each); the first reply shows the layout, and the rest of every task is
+            # then written straight into the slot.
+            probes = await self._probes(seq, [indices[s] for s in starts], n, turn)
+            probes = dict(zip(starts, probes))
+        slot = self._slot(n)
+        layout = slot.layout if slot is not None else None
+        spans = [(s + (s in probes), min(s + size, n)) for s in starts]
+
+        async def chunk(start: int, end: int):
+            part = indices[start:end]
             items = await self._read_items(part)
             desc = None
             if slot is not None:
                 # A batch sampler's batch may be longer than the layout's rows; each row's share
                 # of the overflow area stays aligned for the leaves written into it.
-                per_row = layout.overflow // max(layout.rows, len(indices)) // ALIGN * ALIGN
+                per_row = layout.overflow // max(layout.rows, n) // ALIGN * ALIGN
                 lo = layout.fixed_bytes + start * per_row
                 desc = (slot.id, layout.describe(), (lo, lo + len(part) * per_row))
             if not items:
                 return None
             mode = self.shared.chunked if chunked is None else chunked
-            return await self._session.submit("rows", desc, (items, start, mode), part, seq)
+            return await self._send("rows", desc, (items, start, mode), part, seq, turn)
 
+        spans = [(lo, hi) for lo, hi in spans if lo < hi]
         # gather, not a task group: a chunk already sent to a worker must finish before the
         # slot can be reused, even when a sibling chunk failed to read.
         try:
-            if len(starts) == 1:  # the whole batch in one task: no gather to pay for
-                replies = [await chunk(starts[0])]
+            if len(spans) == 1:  # the whole batch in one task: no gather to pay for
+                replies = [await chunk(*spans[0])]
             else:
-                replies = await asyncio.gather(*(chunk(s) for s in starts), return_exceptions=True)
+                replies = await asyncio.gather(*(chunk(lo, hi) for lo, hi in spans), return_exceptions=True)
         except BaseException:
             self._release_slot(slot)
             raise
@@ -158,27 +182,20 @@ class DecodeStage:
         if failed:
             self._release_slot(slot)
             raise failed[0]
-        if probe is not None:
-            starts, replies = [0, *starts], [probe, *replies]
-            if slot is not None and probe != _NOTHING and probe[2][0] is not None:
-                payload = probe[2][0]
-                if payload.startswith(CHUNK_MAGIC):
-                    payload = move_chunk_into_slot(payload, slot.segment, layout, column_views(slot.segment, layout), 0)
-                else:
-                    payload = move_into_slot(payload, slot.segment, layout, 0)
-                probe = probe[:2] + ([payload],) + probe[3:]
-                replies[0] = probe
-        if chunked is None and any(r not in (None, _NOTHING) and any(e[2] == "collate" for e in r[3]) for r in replies):
+        parts = sorted([(s, self._into_slot(probe, slot, s), True) for s, probe in probes.items()]
+                       + [(lo, reply, False) for (lo, _), reply in zip(spans, replies)], key=lambda p: p[0])
+        if chunked is None and any(r not in (None, _NOTHING) and any(e[2] == "collate" for e in r[3])
+                                   for _, r, _ in parts):
             # A chunk could not be collated (samples of different shapes, say): collate the
             # whole batch in this process instead, so the error is default_collate's own.
             self._release_slot(slot)
-            return await self._rows(seq, indices, chunked=False)
+            return await self._rows(seq, indices, chunked=False, turn=turn)
         rows, errors, chunks = [], [], []
-        for start, reply in zip(starts, replies):
+        for start, reply, probe in parts:
             if reply is None or reply is _NOTHING:
                 continue
-            if reply is not probe:
-                self._note_reply(reply, self.spec.batch_size or len(indices))
+            if not probe:
+                self._note_reply(reply, self.spec.batch_size or n)
                 self._note_mode(reply)
             if reply[3]:
                 errors += self._errors(reply, start)
@@ -201,16 +218,45 @@ class DecodeStage:
                 raise TypeError("the samples of this batch differ in kind: some hold only tensors, numbers "
                                 "and strings, others types with their own collate function; give the "
                                 "DataLoader a collate_fn that handles them all")
-            return self._assemble_chunks(slot, chunks)
+            ready = self._assemble_chunks(slot, chunks)
+            if ready is None:
+                # Chunks that collated one by one do not join (samples of different shapes or
+                # lengths): collate the whole batch here, so the error is default_collate's own.
+                return await self._rows(seq, indices, chunked=False, turn=turn)
+            return ready
         return self._assemble(slot, rows, rows_mode=True)
 
-    async def _probe(self, seq: int, index, batch_len: int):
+    async def _probes(self, seq: int, indices: list, batch_len: int, turn=None) -> list:
+        """Decode each of ``indices`` alone, at once, without a slot; the replies (``_NOTHING``
+        for a sample skipped at its read). Each waits for the others, since they were sent
+        together: none can fail while a sibling is still being decoded."""
+        if len(indices) == 1:  # no gather: its extra hop would let waiting batches read first
+            return [await self._probe(seq, indices[0], batch_len, turn)]
+        replies = await asyncio.gather(*(self._probe(seq, i, batch_len) for i in indices), return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        return replies
+
+    def _into_slot(self, probe, slot, row: int):
+        """A probe's reply with its sample moved into ``row`` of ``slot`` (one small copy here)."""
+        if slot is None or probe is _NOTHING or probe[2][0] is None:
+            return probe
+        payload = probe[2][0]
+        layout = slot.layout
+        if payload.startswith(CHUNK_MAGIC):
+            payload = move_chunk_into_slot(payload, slot.segment, layout, column_views(slot.segment, layout), row)
+        else:
+            payload = move_into_slot(payload, slot.segment, layout, row)
+        return probe[:2] + ([payload],) + probe[3:]
+
+    async def _probe(self, seq: int, index, batch_len: int, turn=None):
         """Decode one sample without a slot and learn the layout from it: slots of
         ``batch_size`` rows, or of ``batch_len`` (this batch's length) under a batch sampler."""
         items = await self._read_items([index])
         if not items:
             return _NOTHING
-        reply = await self._session.submit("rows", None, (items, 0, None), [index], seq)
+        reply = await self._send("rows", None, (items, 0, None), [index], seq, turn, last=False)
         # Not timed: a worker's first sample pays for cold caches and lazy imports (8 ms
         # against 10 us for a 128-token row), which would cut the next batches into tiny tasks.
         self._note_reply(reply, self.spec.batch_size or batch_len, timed=False)
@@ -224,7 +270,7 @@ class DecodeStage:
             if done:
                 self.shared.chunked = done[0].startswith(CHUNK_MAGIC)
 
-    async def _whole(self, seq: int, indices) -> Ready:
+    async def _whole(self, seq: int, indices, turn=None) -> Ready:
         batch_indices = self._batch_indices(indices)
         items = await self._read_items(batch_indices)
         if not items:
@@ -235,9 +281,7 @@ class DecodeStage:
             layout = slot.layout
             desc = (slot.id, layout.describe(), (layout.fixed_bytes, layout.size))
         try:
-            reply = await self._session.submit(
-                "whole", desc, (items, self.spec.on_error == "skip"), batch_indices, seq
-            )
+            reply = await self._send("whole", desc, (items, self.spec.on_error == "skip"), batch_indices, seq, turn)
             self._note_reply(reply, 1)
             if reply[3]:
                 self._skip(self._errors(reply))
@@ -261,11 +305,17 @@ class DecodeStage:
         return SlotView(slot.segment, slot.layout, functools.partial(self.shared.slots.release, slot))
 
     def _assemble_chunks(self, slot, chunks):
-        """A batch from chunk-mode replies: columns joined, views of the slot where whole."""
+        """A batch from chunk-mode replies: columns joined, views of the slot where whole;
+        ``None`` when the chunks do not join (each was collated alone: samples that differ in
+        shape or length across chunks)."""
         view = self._view(slot)
-        batch = join_chunks(chunks, view)
-        if view is not None:
-            view.release()
+        try:
+            batch = join_chunks(chunks, view)
+        except Exception:  # noqa: BLE001 - the batch is collated again, whole, by default_collate
+            return None
+        finally:
+            if view is not None:
+                view.release()
         return self._deliver(batch, sum(n for _, n, _ in chunks))
 
     def _assemble(self, slot, rows, rows_mode: bool, samples: int | None = None):

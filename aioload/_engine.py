@@ -35,7 +35,7 @@ from aioload._limiter import Limiter
 from aioload._pool import PoolSession, WorkerPool
 from aioload._reads import ReadStage
 from aioload._ready import SKIP, ReadyQueue
-from aioload._spec import Failure, Plan, Ready, Shared, Spec, _Cancelled, resize_permits
+from aioload._spec import Failure, Plan, Ready, Shared, Spec, Turn, _Cancelled, resize_permits
 from aioload._stats import StatsRecorder
 from aioload._stuck import StuckReport
 
@@ -78,6 +78,13 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
         self.budget = ErrorBudget(spec.on_error, spec.max_errors, spec.epoch_samples, stats.skip)
         self._open: dict[int, list] = {}  # batches started and not yet handed to the ready queue
         self._reading: dict[Any, str] = {}  # index -> "read" or "waiting for a read slot"
+        # torch's dispatch wherever a user can tell: without seed= (per-sample seeds), which
+        # worker loads a batch decides its random draws, so batch i goes whole to worker i mod N
+        # and each worker loads its batches in order (see Turn). in_order=False lets torch
+        # give a batch to any worker with room: the least-loaded one, split into chunks, here.
+        self._round_robin = (pool is not None and spec.in_order and spec.mode in ("rows", "whole")
+                             and not plan.per_sample_seeds)
+        self._turns: list[Turn | None] = [None] * spec.num_workers  # round-robin: each worker's last batch
 
     # -- lifetime, called from the consumer's thread ----------------------------------------
     def start(self) -> None:
@@ -130,6 +137,7 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
             loop.run_until_complete(self._entry(started))
         finally:
             try:
+                _cancel_leftovers(loop)
                 loop.run_until_complete(loop.shutdown_asyncgens())
             finally:
                 _shutdown_executor(executor, IO_GRACE)
@@ -141,8 +149,8 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
         self._io = Limiter(self.spec.io_concurrency)
         nowait = getattr(self.spec.dataset, "read_nowait", None)
         self._nowait = None if getattr(nowait, "__func__", None) is Dataset.read_nowait else nowait
-        self._probing = False  # a batch is teaching the layout
-        self._taught = asyncio.Event()  # set once the layout is known (or the teacher is done)
+        self._teachers = 0  # workers the batches teaching the layout have given work to
+        self._lesson = asyncio.Event()  # set (and replaced) when the layout is learned or a teacher ends
         started.set()
         try:
             total = await self._tuned()
@@ -200,9 +208,13 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
                 if failed is not None:
                     raise failed
             finally:
-                if not await session.drain(self.drain_timeout):
-                    self.clean = False
-                serve.cancel()
+                try:
+                    if not await session.drain(self.drain_timeout):
+                        self.clean = False
+                finally:
+                    serve.cancel()
+                    if not await session.aclose():
+                        self.clean = False
         return total
 
     async def _release_holds(self) -> None:
@@ -216,14 +228,22 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
         total = 0
         for seq, indices in self.plan.batches:
             await self._permits.acquire()
-            tg.create_task(self._batch(seq, indices))
+            tg.create_task(self._batch(seq, indices, self._turn(seq)))
             total = seq + 1
         return total
 
-    async def _batch(self, seq: int, indices) -> None:
+    def _turn(self, seq: int) -> Turn | None:
+        """Batch ``seq``'s place in the queue of worker ``seq mod N`` (round-robin dispatch)."""
+        if not self._round_robin:
+            return None
+        wid = seq % self.spec.num_workers
+        turn = self._turns[wid] = Turn(wid, self._turns[wid])
+        return turn
+
+    async def _batch(self, seq: int, indices, turn: Turn | None = None) -> None:
         self._open[seq] = indices if isinstance(indices, list) else [indices]
         try:
-            item = await self._learn_first(self._make, seq, indices)
+            item = await self._learn_first(self._make, seq, indices, turn, shares=self._shares(indices))
         except (WorkerCrashedError, TooManyErrorsError):
             raise
         except Exception as exc:  # noqa: BLE001 - this batch fails, the epoch goes on
@@ -232,35 +252,47 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
             item = Failure(forget_locals(exc))
         finally:
             self._open.pop(seq, None)
+            if turn is not None:
+                turn.sent()  # a batch that failed or sent nothing holds up no other
         if item is SKIP:
             self._permits.release()  # nothing for the consumer to take
         self._put(seq, item)
 
-    async def _learn_first(self, make, *args):
-        """Until the first reply has shown the batch layout, one batch runs alone and the others
-        wait for that reply: every later batch can then be written straight into a slot."""
-        if self._learning():
-            if not self._probing:
-                self._probing = True
-                try:
-                    return await make(*args)
-                finally:
-                    self._taught.set()
-            await self._taught.wait()
+    async def _learn_first(self, make, *args, shares: int = 1):
+        """Until a reply has shown the batch layout, batches that teach it start at once, as
+        long as there are workers for them (``shares``: the workers a batch's first tasks
+        occupy, one sample each); the others wait for the layout, and are then written straight
+        into slots. Every worker thus gets work at once, as in torch: workers that wait for one
+        another (a barrier in per-worker set-up) do not deadlock."""
+        while self._learning():
+            if self._teachers and self._teachers + shares > self.spec.num_workers:
+                await self._lesson.wait()
+                continue
+            self._teachers += shares
+            try:
+                return await make(*args)
+            finally:
+                self._teachers -= shares
+                self._lesson_learned()
         return await make(*args)
+
+    def _lesson_learned(self) -> None:
+        """Wake the batches waiting for the layout (it is known, or a teacher is done)."""
+        self._lesson.set()
+        self._lesson = asyncio.Event()
 
     def _learning(self) -> bool:
         shared = self.shared
         return self.pool is not None and shared.layout is None and not shared.no_leaves
 
-    async def _make(self, seq: int, indices):
+    async def _make(self, seq: int, indices, turn: Turn | None):
         if self.spec.mode == "executor":
             return await self.spec.executor.make(self, seq, indices)
         if self.spec.mode == "read":
             return await self._read_only(indices)
         if self.spec.mode == "rows":
-            return await self._rows(seq, indices)
-        return await self._whole(seq, indices)
+            return await self._rows(seq, indices, turn=turn)
+        return await self._whole(seq, indices, turn)
 
     # -- stage 4: hand-off ------------------------------------------------------------------
     def _put(self, seq: int, item) -> None:
@@ -282,6 +314,19 @@ async def _hold_until(event, batch) -> None:
     while not event.query():
         await asyncio.sleep(0.0005)
     del batch
+
+
+def _cancel_leftovers(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel and await what still runs on ``loop`` once the epoch is over, as ``asyncio.run``
+    does: tasks a dataset's ``read`` left behind (a prefetch, a client's clean-up). The engine's
+    own tasks have all ended by then; a task left pending would print "Task was destroyed but
+    it is pending!" when the loop is closed."""
+    tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    if not tasks:
+        return
+    for task in tasks:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
 
 
 def _shutdown_executor(executor: concurrent.futures.ThreadPoolExecutor, grace: float) -> None:

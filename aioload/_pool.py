@@ -244,7 +244,13 @@ class PoolSession:
     async def submit(self, kind: str, slot, payload, indices, priority, worker=None) -> tuple:
         """Queue one task; returns the worker's reply. Lower ``priority`` is served first;
         ``worker`` pins the task to one worker (an IterableDataset's batches come from the
-        worker whose copy produced them)."""
+        worker whose copy produced them; round-robin dispatch gives batch i to worker i mod N)."""
+        return await self.enqueue(kind, slot, payload, indices, priority, worker)
+
+    def enqueue(self, kind: str, slot, payload, indices, priority, worker=None) -> asyncio.Future:
+        """:meth:`submit` without the wait: the task is queued when this returns, and the
+        future gets the reply. Tasks pinned to one worker reach it in ``priority`` order
+        among those queued; cancelling the future withdraws a task not yet sent."""
         if self.pool.broken is not None:
             raise self.pool.broken
         future = asyncio.get_running_loop().create_future()
@@ -255,7 +261,7 @@ class PoolSession:
             self._has_pinned = True
         heapq.heappush(self._pending, request)
         self._dispatch()
-        return await future
+        return future
 
     def _room(self, wid: int) -> bool:
         # While some workers are still starting, one task each: the first batch is then split
@@ -424,6 +430,20 @@ class PoolSession:
         found = [(r.indices, wid, task_id) for wid, inflight in enumerate(self._inflight)
                  for task_id, r in inflight.items() if r.priority == priority]
         return found + [(r.indices, None, None) for r in self._pending if r.priority == priority]
+
+    async def aclose(self) -> bool:
+        """End the tasks this session started (backlog flushes, crash reports) and wait for
+        them, so that none outlives the epoch's event loop. ``False`` when a message was cut
+        short: that worker's stream is then unusable and the pool must not serve another epoch."""
+        whole = not any(self._backlog)
+        tasks = [task for task in self._flushing if task is not None] + list(self._crash_reports)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for backlog in self._backlog:
+            backlog.clear()
+        return whole
 
     async def drain(self, timeout: float) -> bool:
         """Wait until the workers have answered every task sent to them (so no slot is still

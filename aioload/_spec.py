@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -35,6 +36,31 @@ class Spec:
     auto_collation: bool = True  # False with batch_size=None: each index (even a list) is one sample
     batched_fetch: bool = False  # the dataset's __getitems__ gets each batch whole, as in torch
     executor: Any = None  # an aioload._executor.ExecutorStage with executor=
+
+
+class Turn:
+    """A batch's place in its worker's queue under round-robin dispatch: the batch sends its
+    tasks once the batch before it on the same worker has sent all of its own, so that each
+    worker loads its batches in the sampler's order, as torch's workers do (its RNG streams,
+    seeded ``base seed + worker id``, then draw exactly as in torch). Reads still run ahead."""
+
+    __slots__ = ("worker", "_before", "_sent")
+
+    def __init__(self, worker: int, before: "Turn | None"):
+        self.worker = worker
+        self._before = before
+        self._sent = asyncio.Event()
+
+    async def wait(self) -> None:
+        """Until the batch before this one on the worker has queued all of its tasks."""
+        if self._before is not None:
+            await self._before._sent.wait()
+            self._before = None  # no chain of every batch of the epoch
+
+    def sent(self) -> None:
+        """This batch has queued all of its tasks (or will queue none)."""
+        self._before = None
+        self._sent.set()
 
 
 @dataclass
