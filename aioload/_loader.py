@@ -153,6 +153,8 @@ class DataLoader:
         if log_every is not None or progress:
             self._monitor = Monitor(_weak_stats(self), log_every, progress)
         self._res = _Resources()
+        res = self._res  # the verdict reads the workers' CPU counters (a closure over res, not self)
+        self._stats.worker_pids = lambda: [p.pid for p in res.pool.procs] if res.pool is not None else []
         self._device = _device.resolve_device(device)
         self._pin = (pin_memory or self._device is not None) and _device.pin_available()
         self._iterated = False  # torch warns about pinning and worker counts per iterator it makes
