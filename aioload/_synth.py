@@ -13,6 +13,7 @@ arguments always give the same files. Nothing is downloaded.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -88,7 +89,8 @@ def make_data(root: str | os.PathLike | None = None, n: int = DEFAULT_IMAGES, *,
 
     ``root=None`` puts the folder in the data cache: ``$AIOLOAD_CACHE`` if set, else
     ``~/.cache/aioload``. A folder already complete is reused as it is (nothing is written);
-    a partial one is completed. Returns the folder.
+    a partial one is completed. ``processes`` writes with that many processes;
+    ``quiet=False`` prints progress on stderr. Returns the folder.
     """
     for name, value in (("n", n), ("classes", classes), ("processes", processes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -119,11 +121,11 @@ def make_image_folder(root: str | os.PathLike | None = None, images: int = DEFAU
         with mp.get_context("fork").Pool(processes) as pool:
             for done, _ in enumerate(pool.imap_unordered(_write_range, ranges), 1):
                 if not quiet:
-                    print(f"  generated {min(done * step, images)}/{images} images", flush=True)
+                    print(f"  generated {min(done * step, images)}/{images} images", file=sys.stderr, flush=True)
     else:
         for args in ranges:
             _write_range(args)
             if not quiet:
-                print(f"  generated {args[4]}/{images} images", flush=True)
+                print(f"  generated {args[4]}/{images} images", file=sys.stderr, flush=True)
     marker.touch()
     return root
