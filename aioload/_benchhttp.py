@@ -78,6 +78,9 @@ class _Pool:
                 if fresh or attempt:
                     raise OSError(f"GET http://{self.host}:{self.port}/{path} failed: {exc!r}") from exc
                 continue
+            except BaseException:  # cancelled mid-exchange: the connection is in an unknown state
+                writer.close()
+                raise
             self.idle.append((reader, writer))
             return body
         raise AssertionError("unreachable")  # pragma: no cover

@@ -25,13 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--images", "32", "--batch-size", "8", "--workers", "1", "--rounds", "1"]
 
 
-def bench_env(cache: Path) -> dict:
-    return dict(os.environ, AIOLOAD_CACHE=str(cache), PYTHONPATH=str(ROOT))
+def bench_env(cache: Path, path: str = str(ROOT)) -> dict:
+    return dict(os.environ, AIOLOAD_CACHE=str(cache), PYTHONPATH=path)
 
 
-def run_bench(args: list[str], cache: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "aioload", "bench", *args], cwd=cache.parent, env=bench_env(cache),
-                          capture_output=True, text=True, timeout=timeout)
+def run_bench(args: list[str], cache: Path, timeout: float = 300, path: str = str(ROOT)) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "aioload", "bench", *args], cwd=cache.parent,
+                          env=bench_env(cache, path), capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
@@ -56,7 +56,12 @@ def servers_for(root: Path) -> list[int]:
 
 def test_bench_runs_both_scenarios_and_draws_a_png(tmp_path):
     cache = tmp_path / "cache"
-    done = run_bench([*SMALL, "--plot", str(tmp_path / "bench.png")], cache)
+    # without the http extra: an aiohttp that cannot be imported comes first on the path
+    blocked = tmp_path / "no-extras" / "aiohttp"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('aiohttp is not installed here')\n")
+    done = run_bench([*SMALL, "--plot", str(tmp_path / "bench.png")], cache,
+                     path=os.pathsep.join([str(blocked.parent), str(ROOT)]))
     out, err = done.stdout, done.stderr
     assert f"generating 32 synthetic ImageNet-like JPEGs in {cache}" in err
     assert "made earlier" not in err
