@@ -14,6 +14,7 @@ import argparse
 import ctypes
 import os
 import signal
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -67,6 +68,11 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True  # connection threads end with the process
     request_queue_size = 1024  # the listen backlog: a loader may open many connections at once
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return  # a client that went away (a loader closed early): nothing to report
+        super().handle_error(request, client_address)
 
 
 def serve(root: str, latency_ms: float, max_seconds: float, parent: int) -> None:

@@ -81,7 +81,7 @@ def main() -> None:
                     break
             print(f"epoch {epoch}: {time.perf_counter() - started:.1f} s; {loader.stats().verdict}")
             epoch += 1
-    print(f"done: {step} steps in {epoch} epochs")
+    print(f"done: {step} steps in {epoch} epoch{'' if epoch == 1 else 's'}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def run_example(args: list[str], tmp_path, timeout: float = 240) -> str:
 
 def test_train_folder(tmp_path):
     out = run_example([str(ROOT / "examples/train_folder.py"), "--steps", "6", "--workers", "1"], tmp_path)
-    assert "done: 6 steps in 1 epochs" in out
+    assert "done: 6 steps in 1 epoch\n" in out
 
 
 def test_train_folder_trains_the_steps_asked_for_across_epochs(tmp_path):
