@@ -10,6 +10,7 @@ from aioload._retry import RemoteReadError, RetryPolicy
 from aioload._stats import LoaderStats
 from aioload._storage import Storage, read_bytes, read_range
 from aioload._strings import StringList
+from aioload._synth import make_data
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,7 @@ __all__ = [
     "TooManyErrorsError",
     "WorkerCrashedError",
     "decode_image",
+    "make_data",
     "read_bytes",
     "read_range",
     "transforms",

@@ -82,10 +82,16 @@ def _pss_kb(pid: int) -> int:
     return 0
 
 
+EXCLUDED_PIDS: set[int] = set()
+"""Children of this process that are not part of a loader (the bench's HTTP server): their
+memory is not counted."""
+
+
 def memory_mb() -> float:
-    """Proportional set size of this process and its children (shared pages counted once)."""
+    """Proportional set size of this process and its children (shared pages counted once),
+    but for :data:`EXCLUDED_PIDS`."""
     pid = os.getpid()
-    return sum(_pss_kb(p) for p in [pid, *_children(pid)]) / 1024
+    return sum(_pss_kb(p) for p in [pid, *_children(pid)] if p not in EXCLUDED_PIDS) / 1024
 
 
 def shm_used_mb() -> float:
@@ -98,6 +104,9 @@ def shm_used_mb() -> float:
 
 @dataclass
 class Run:
+    """One epoch of one loader. ``rate`` and ``wait_s`` cover the steady state: from the first
+    batch to the last (the first batch's wait is ``first_batch_s``)."""
+
     name: str
     images: int
     seconds: float
@@ -106,14 +115,28 @@ class Run:
     memory_mb: float
     shm_mb: float
     stats: object = None
+    wait_s: float = 0.0
+    batches: int = 0
 
     @property
     def rate(self) -> float:
+        """Images per second after the first batch (the figure ``LoaderStats`` calls
+        ``steady_samples_per_s``)."""
         return self.images / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def cpu_ms_per_image(self) -> float:
         return self.cpu_s / max(1, self.images) * 1e3
+
+    @property
+    def wait_ms_per_batch(self) -> float:
+        """How long the consumer waited inside ``next()`` for each batch after the first."""
+        return self.wait_s / self.batches * 1e3 if self.batches else 0.0
+
+    @property
+    def wait_fraction(self) -> float:
+        """The share of the steady state the consumer spent waiting for a batch."""
+        return min(1.0, self.wait_s / self.seconds) if self.seconds > 0 else 0.0
 
 
 def _count(batch) -> int:
@@ -121,12 +144,16 @@ def _count(batch) -> int:
     return len(first) if hasattr(first, "__len__") else 1
 
 
-def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: int = 1) -> Run:
+def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: int = 1,
+            step_s: float = 0.0, bar=None) -> Run:
     """Iterate a fresh loader; throughput counts the batches after the first one (the first
-    one's wait is reported as time to first batch)."""
+    one's wait is reported as time to first batch). ``step_s`` is a simulated training step
+    after each batch (a sleep: the GIL is released, as while a GPU works); ``bar`` (a tqdm
+    bar, say) gets ``update(1)`` per batch."""
     gc.collect()
     loader = make_loader()
-    images = 0
+    images = batches = 0
+    waited = 0.0
     peak_mem = peak_shm = 0.0
     cpu0 = time.process_time()
     # Reading memory figures (tens of ms for the PSS of a few processes) is not the loader's
@@ -138,14 +165,25 @@ def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: 
     steady_from = None
     try:
         for epoch in range(epochs):
-            for i, batch in enumerate(loader):
+            batches_of = iter(loader)
+            i = 0
+            while True:
+                asked = time.perf_counter()
+                try:
+                    batch = next(batches_of)
+                except StopIteration:
+                    break
                 now = time.perf_counter()
                 if first is None:
                     first = now - start
                     steady_from = now
                     cpu0 = time.process_time()
                 else:
+                    waited += now - asked
                     images += _count(batch)
+                    batches += 1
+                if bar is not None:
+                    bar.update(1)
                 if i % 4 == 0:
                     probe0, wall0 = time.process_time(), time.perf_counter()
                     peak_shm = max(peak_shm, shm_used_mb())
@@ -154,9 +192,13 @@ def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: 
                     probing += time.process_time() - probe0
                     probing_wall += time.perf_counter() - wall0
                 del batch
+                i += 1
+                if step_s:
+                    time.sleep(step_s)
                 if limit is not None and images >= limit:
                     break
-        seconds = time.perf_counter() - steady_from - probing_wall
+            del batches_of
+        seconds = time.perf_counter() - steady_from - probing_wall if steady_from is not None else 0.0
         cpu = time.process_time() - cpu0 - probing
         peak_mem = max(peak_mem, memory_mb())
         stats = loader.stats() if hasattr(loader, "stats") else None
@@ -166,7 +208,7 @@ def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: 
             close()
         del loader
         gc.collect()
-    return Run(name, images, seconds, first or 0.0, cpu, peak_mem, peak_shm, stats)
+    return Run(name, images, seconds, first or 0.0, cpu, peak_mem, peak_shm, stats, waited, batches)
 
 
 def _timed(work: Callable, share, start, queue) -> None:
@@ -217,14 +259,20 @@ def median(values: Iterable[float]) -> float:
 
 @dataclass
 class Comparison:
-    """Interleaved rounds of named loader factories; medians per column."""
+    """Interleaved rounds of named loader factories; medians per column.
+
+    ``bar(description, total)``, where given, makes a progress bar (tqdm's interface:
+    ``update``, ``close``) for each loader's round; ``step_s`` is passed to :func:`measure`."""
 
     factories: dict[str, Callable]
     limit: int | None = None
     runs: dict[str, list[Run]] = field(default_factory=dict)
+    step_s: float = 0.0
+    bar: Callable | None = None
+    total: int | None = None  # batches per round, for the bars
 
     def run(self, rounds: int, progress: Callable[[str], None] | None = None,
-            each_round: Callable[[], float] | None = None) -> list[float]:
+            each_round: Callable[[], float] | None = None, label: str = "") -> list[float]:
         """Run the rounds; ``each_round`` (the ceiling, say) is measured once per round between
         the loaders, so that it sees the same machine they do. Returns its values."""
         names = list(self.factories)
@@ -234,11 +282,17 @@ class Comparison:
             for i, name in enumerate(order):
                 if each_round is not None and i == len(order) // 2:
                     extra.append(each_round())
-                result = measure(name, self.factories[name], self.limit)
+                title = f"round {r + 1}/{rounds} {label}{name}"
+                bar = self.bar(title, self.total) if self.bar is not None else None
+                try:
+                    result = measure(name, self.factories[name], self.limit, step_s=self.step_s, bar=bar)
+                finally:
+                    if bar is not None:
+                        bar.close()
                 self.runs.setdefault(name, []).append(result)
                 if progress:
-                    progress(f"round {r + 1}/{rounds} {name:<28} {result.rate:8.1f} img/s  "
-                             f"first batch {result.first_batch_s:6.2f} s")
+                    progress(f"{title:<44} {result.rate:8.1f} img/s after the first batch, "
+                             f"first batch {result.first_batch_s:5.2f} s")
         return extra
 
     def med(self, name: str, attr: str) -> float:

@@ -173,6 +173,8 @@ class DataLoader:
         if log_every is not None or progress:
             self._monitor = Monitor(_weak_stats(self), log_every, progress)
         self._res = _Resources()
+        res = self._res  # the verdict reads the workers' CPU counters (a closure over res, not self)
+        self._stats.worker_pids = lambda: [p.pid for p in res.pool.procs] if res.pool is not None else []
         if self._decode_on is not None:
             _gpudecode.check_loader_device(self._decode_on, None if device is None else torch.device(device))
         self._device = _device.resolve_device(device)

@@ -2,12 +2,18 @@
 
 Both are driven from the consumer's thread, once per delivered batch, and cost one clock read
 per batch until a log line or a bar refresh is due.
+
+Log lines go to the ``"aioload"`` logger at level INFO. A program that has not configured
+logging (no handler on that logger or its ancestors: Python would drop INFO lines, or show
+only warnings) still sees them: each is then written to stderr, with its time. A program that
+has configured logging gets them through its own handlers and levels.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 from typing import Callable
 
@@ -107,9 +113,21 @@ class Monitor:
             return
         window = stats.since(self._last_stats) if self._last_stats is not None else stats
         self._last_stats = stats
-        logger.info(
+        log_line(
             "aioload: %.1f samples/s over %.1f s, read p50 %.1f ms, decode %.2f ms/sample, "
             "%d batches ready; %s",
             window.samples_per_s, window.elapsed_s, window.read_p50_ms,
             window.decode_ms_per_sample, window.queue_occupancy, window.verdict,
         )
+
+
+def log_line(message: str, *args) -> None:
+    """One ``log_every`` line: through the program's logging if it has any handler for the
+    ``"aioload"`` logger, else straight to stderr (what ``log_every=`` asked for)."""
+    if logger.hasHandlers():
+        logger.info(message, *args)
+        return
+    record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, message, args, None)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    handler.handle(record)

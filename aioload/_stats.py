@@ -12,6 +12,11 @@ What the consumer's clock measures (per epoch, summed over epochs):
 * ``wait_fraction = wait_s / (elapsed_s - first_batch_s)``: the share of the steady state in
   which training stood still for want of data.
 
+The verdict also weighs CPU counters read at the start and end of each epoch: the machine's
+(``/proc/stat``), this process's and its workers' (``/proc/<pid>/stat``), and the time the
+workers spent waiting for a CPU (``/proc/<pid>/task/*/schedstat``), so that "this loader has
+too many workers" is told apart from "other programs are using these CPUs".
+
 Cost: reads update plain counters from the engine thread, which is their only writer (no
 lock); batches take one uncontended lock in the consumer's thread. Snapshots sort at most
 ``StatsRecorder.RING`` recent read latencies.
@@ -24,7 +29,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Callable
 
 DATA_BOUND = 0.10
 """Waiting at least this share of the steady state makes a loop "data-bound"."""
@@ -33,7 +38,24 @@ SATURATED = 0.8
 """A stage busy at least this share of its capacity is "saturated"."""
 
 OFF_CPU = 0.6
-"""Decode that got less than this share of a CPU while it ran was mostly waiting for one."""
+"""Decode that was on a CPU less than this share of the time it ran was mostly off one:
+waiting for a CPU, or blocked (on I/O, a sleep, a lock)."""
+
+CPU_WAIT = 0.5
+"""Off-CPU decode is "waiting for a CPU" when at least this share of its off-CPU time was
+spent runnable in the scheduler's queue (the workers' ``/proc/<pid>/task/*/schedstat``)."""
+
+OTHERS_CPUS = 0.5
+"""Other programs that used at least this many CPUs' worth of time are "competing"."""
+
+SPARE_CPUS = 0.75
+"""At least this many CPUs' worth of idle time means there is room for another worker."""
+
+CATEGORIES = (
+    "no-batches", "starting", "not-data-bound", "in-process", "decode-bound", "too-many-workers",
+    "cpu-contention", "decode-blocked", "read-bound", "executor-saturated", "executor-underused", "unexplained",
+)
+"""Every value of :attr:`LoaderStats.verdict_category` (see ``docs/stats.md``)."""
 
 
 @dataclass(frozen=True)
@@ -73,28 +95,49 @@ class LoaderStats:
     executor_bytes: int = 0  # bytes of the tensors those batches brought back
     task_p50_ms: float = 0.0  # a task's round trip: sent, decoded there, its batch back
     task_p99_ms: float = 0.0
+    first_batch_samples: int = 0
+    cpu_window_s: float = 0.0
+    machine_busy_s: float = 0.0
+    program_cpu_s: float = 0.0
+    worker_cpu_s: float = 0.0
+    worker_cpu_wait_s: float = 0.0
+    cpus: int = 0
+    cpu_wait_measured: bool = False
     samples_per_s: float = field(init=False)
+    steady_samples_per_s: float = field(init=False)
     wait_fraction: float = field(init=False)
     decode_ms_per_sample: float = field(init=False)
     mean_reads_in_flight: float = field(init=False)
     decode_busy: float = field(init=False)
     decode_cpu_share: float = field(init=False)
+    others_cpus: float = field(init=False)
+    idle_cpus: float = field(init=False)
+    program_cpus: float = field(init=False)
+    verdict_category: str = field(init=False)
     verdict: str = field(init=False)
 
     def __post_init__(self):
         steady = self.elapsed_s - self.first_batch_s
         workers = max(1, self.num_workers)
+        window = self.cpu_window_s
+        steady_samples = self.samples - self.first_batch_samples
         derived = {
             "samples_per_s": self.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0,
+            "steady_samples_per_s": steady_samples / steady if steady > 0 and steady_samples > 0 else 0.0,
             "wait_fraction": min(1.0, self.wait_s / steady) if steady > 0 else 0.0,
             "decode_ms_per_sample": self.decode_s / self.decoded * 1e3 if self.decoded else 0.0,
             "mean_reads_in_flight": self.read_s / self.elapsed_s if self.elapsed_s > 0 else 0.0,
             "decode_busy": min(1.0, self.decode_s / (self.elapsed_s * workers)) if self.elapsed_s > 0 else 0.0,
             "decode_cpu_share": min(1.0, self.decode_cpu_s / self.decode_s) if self.decode_s > 0 else 1.0,
+            "others_cpus": max(0.0, self.machine_busy_s - self.program_cpu_s) / window if window > 0 else 0.0,
+            "idle_cpus": max(0.0, self.cpus * window - self.machine_busy_s) / window if window > 0 else 0.0,
+            "program_cpus": self.program_cpu_s / window if window > 0 else 0.0,
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "verdict", diagnose(self))
+        category, sentence = diagnose(self)
+        object.__setattr__(self, "verdict_category", category)
+        object.__setattr__(self, "verdict", sentence)
 
     def since(self, earlier: "LoaderStats") -> "LoaderStats":
         """The figures of the interval from ``earlier`` to this snapshot. Gauges (reads in
@@ -107,60 +150,120 @@ class LoaderStats:
         counters["skipped"] = self.skipped[len(earlier.skipped):]
         return replace(self, **counters)
 
+    @property
+    def cpu_evidence(self) -> str:
+        """What the CPU figures measured, in words (part of every verdict that uses them)."""
+        if self.cpu_window_s <= 0:
+            return "no CPU counters measured"
+        wait = (f", {self.worker_cpu_wait_s / self.cpu_window_s:.2f} workers waiting for a CPU on average"
+                if self.cpu_wait_measured else "")
+        return (f"over {self.cpu_window_s:.1f} s: this process and its {self.num_workers} workers used "
+                f"{self.program_cpus:.2f} of {self.cpus} CPUs, other programs {self.others_cpus:.2f}, "
+                f"idle {self.idle_cpus:.2f}{wait}")
+
     def __str__(self) -> str:
         return format_stats(self)
 
 
 _COUNTERS = frozenset({
     "batches", "samples", "epochs", "elapsed_s", "first_batch_s", "wait_s", "reads", "bytes_read",
-    "read_s", "decoded", "decode_s", "decode_cpu_s", "worker_restarts", "skipped_total", "executor_tasks",
-    "executor_bytes",
+    "read_s", "decoded", "decode_s", "decode_cpu_s", "worker_restarts", "skipped_total",
+    "first_batch_samples", "cpu_window_s", "machine_busy_s", "program_cpu_s", "worker_cpu_s",
+    "worker_cpu_wait_s", "executor_tasks", "executor_bytes",
 })
 
 
-def diagnose(s: LoaderStats) -> str:
-    """A one-line verdict: is training waiting for data, and which stage to fix."""
+def diagnose(s: LoaderStats) -> tuple[str, str]:
+    """``(category, sentence)``: is training waiting for data, why, and what to change.
+
+    A change is advised only where the figures support it: more workers only when decode is
+    saturated on a CPU and the machine has idle CPUs; fewer only when the workers waited for
+    CPUs that this program itself was using. When other programs took the CPUs, the verdict
+    says so and advises no loader change. The categories are :data:`CATEGORIES`.
+    """
     if s.batches == 0:
-        return "no batches delivered yet"
+        return "no-batches", "no batches delivered yet"
     if s.elapsed_s - s.first_batch_s <= 0:
-        return f"only the first batch so far ({s.first_batch_s:.2f} s to start)"
+        return "starting", f"only the first batch so far ({s.first_batch_s:.2f} s to start)"
     if s.wait_fraction < DATA_BOUND:
-        return f"not data-bound (waiting {s.wait_fraction:.0%} of the time)"
+        return "not-data-bound", (f"not data-bound (waiting {s.wait_fraction:.0%} of the time): the training "
+                                  "step sets the pace")
     head = f"data-bound {s.wait_fraction:.0%} of the time: "
     if s.num_workers == 0:
-        return head + "loading runs in the training process (num_workers=0), set num_workers"
+        return "in-process", head + "loading runs in the training process (num_workers=0), set num_workers"
     if s.executor:
-        return head + _executor_bound(s)
+        category, text = _executor_bound(s)
+        return category, head + text
     if s.decode_busy >= SATURATED / 2 and s.decode_cpu_share < OFF_CPU:
-        return head + _off_cpu(s)
+        category, text = _off_cpu(s)
+        return category, head + text
     if s.decode_busy >= SATURATED:
-        return head + (f"decode is saturated ({s.num_workers} workers {s.decode_busy:.0%} busy), "
-                       "raise num_workers")
+        return "decode-bound", head + _decode_bound(s)
     if s.io_concurrency and s.mean_reads_in_flight >= SATURATED * s.io_concurrency:
-        return head + (f"reads are saturated ({s.mean_reads_in_flight:.0f} of {s.io_concurrency} in "
-                       f"flight, p50 {s.read_p50_ms:.1f} ms), raise io_concurrency")
-    return head + (f"neither reads ({s.mean_reads_in_flight:.0f} of {s.io_concurrency} in flight) nor "
-                   f"decode ({s.decode_busy:.0%} busy) is saturated: raise queue_depth, or free CPU "
-                   "for the training process")
+        return "read-bound", head + (f"reads are saturated ({s.mean_reads_in_flight:.0f} of {s.io_concurrency} in "
+                                     f"flight, p50 {s.read_p50_ms:.1f} ms), raise io_concurrency")
+    text = (f"neither reads ({s.mean_reads_in_flight:.0f} of {s.io_concurrency} in flight) nor decode "
+            f"({s.decode_busy:.0%} busy) is saturated")
+    if s.cpu_window_s > 0 and s.others_cpus >= OTHERS_CPUS:
+        text += f"; other programs used {s.others_cpus:.2f} CPUs ({s.cpu_evidence})"
+    return "unexplained", head + text + ": no setting is advised from these figures"
 
 
-def _executor_bound(s: LoaderStats) -> str:
+def _executor_bound(s: LoaderStats) -> tuple[str, str]:
     """With executor=: a task reads and decodes a whole batch over there; its round trip is the
     figure, and the fix is more tasks in flight or more workers."""
     trip = f"{s.num_workers} tasks in flight, {s.decode_busy:.0%} busy, round trip p50 {s.task_p50_ms:.0f} ms"
     if s.decode_busy >= SATURATED:
-        return f"the executor's tasks are saturated ({trip}): add workers to {s.executor}, then raise num_workers"
-    return f"the executor is not kept busy ({trip}): raise num_workers (tasks in flight) or queue_depth"
+        return "executor-saturated", (f"the executor's tasks are saturated ({trip}): add workers to {s.executor}, "
+                                      "then raise num_workers")
+    return "executor-underused", f"the executor is not kept busy ({trip}): raise num_workers (tasks in flight)"
 
 
-def _off_cpu(s: LoaderStats) -> str:
-    share = f"{s.decode_cpu_share:.0%} of a CPU"
-    if not s.reads:  # a plain dataset: __getitem__ also does the I/O
-        return (f"workers ran __getitem__ at {share} (waiting on I/O or for a CPU): give the dataset an "
-                "async read() (aioload.Dataset) for its I/O, or raise num_workers")
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    fix = "lower num_workers" if s.num_workers >= cpus else "other work is competing for them"
-    return f"the CPUs are oversubscribed: decode ran at {share} ({s.num_workers} workers, {cpus} CPUs), {fix}"
+def _decode_bound(s: LoaderStats) -> str:
+    text = f"decode is saturated ({s.num_workers} workers {s.decode_busy:.0%} busy, on a CPU {s.decode_cpu_share:.0%})"
+    if s.cpu_window_s <= 0:
+        return text + ", raise num_workers if the machine has idle CPUs"
+    if s.idle_cpus >= SPARE_CPUS:
+        return text + f" and {s.idle_cpus:.2f} CPUs were idle: raise num_workers ({s.cpu_evidence})"
+    return text + (f" and no CPU was idle: more workers would not help; make decode cheaper or use more "
+                   f"CPUs ({s.cpu_evidence})")
+
+
+def _off_cpu(s: LoaderStats) -> tuple[str, str]:
+    """Decode ran, but was on a CPU less than :data:`OFF_CPU` of that time: waiting for a CPU
+    (whose?) or blocked (on what?)."""
+    share = f"decode was on a CPU {s.decode_cpu_share:.0%} of the time it ran"
+    if s.cpu_window_s <= 0:
+        return "unexplained", (f"{share}; whether it waited for a CPU or was blocked is not known (no CPU "
+                               "counters measured): no setting is advised from these figures")
+    off = s.decode_s - s.decode_cpu_s
+    if s.cpu_wait_measured:
+        waited = s.worker_cpu_wait_s / off if off > 0 else 0.0
+        waiting = waited >= CPU_WAIT
+        evidence = f"it waited for a CPU {min(1.0, waited):.0%} of its off-CPU time"
+    else:  # no scheduler figures: a machine without an idle CPU is the evidence of waiting
+        waiting = s.idle_cpus < SPARE_CPUS / 2
+        evidence = f"{s.idle_cpus:.2f} CPUs were idle"
+    if not waiting:
+        if not s.reads:  # a plain dataset: __getitem__ also does the I/O
+            fix = "give the dataset an async read() (aioload.Dataset) for its I/O"
+        else:
+            fix = "move the I/O or waiting out of decode() into read()"
+        return "decode-blocked", f"{share}, blocked, not waiting for a CPU ({evidence}): {fix}"
+    evidence = s.cpu_evidence
+    main_cpus = max(0.0, s.program_cpu_s - s.worker_cpu_s) / s.cpu_window_s  # the training process's own
+    demand = s.num_workers + main_cpus
+    if s.num_workers > s.cpus or (demand > s.cpus + SPARE_CPUS and s.others_cpus < OTHERS_CPUS):
+        fewer = max(1, round(s.cpus - main_cpus))
+        extra = f"; other programs also used {s.others_cpus:.2f} CPUs" if s.others_cpus >= OTHERS_CPUS else ""
+        return "too-many-workers", (f"{share}, waiting for CPUs that this program's own processes hold "
+                                    f"({s.num_workers} workers on {s.cpus} CPUs{extra}; {evidence}): lower "
+                                    f"num_workers to {fewer}")
+    if s.others_cpus >= OTHERS_CPUS:
+        return "cpu-contention", (f"{share}, waiting for CPUs that other programs used ({evidence}): the cause is "
+                                  "outside the loader; changing num_workers would not help")
+    return "unexplained", (f"{share}, waiting for a CPU, yet neither this program nor others used the CPUs "
+                           f"({evidence}): no setting is advised from these figures")
 
 
 def _bytes(n: float) -> str:
@@ -179,8 +282,9 @@ def format_stats(stats: LoaderStats) -> str:
         shown = ", ".join(str(i) for i in s.skipped[:8])
         skipped += f" (indices {shown}{', ...' if s.skipped_total > 8 else ''})"
     rows = [
-        ("throughput", f"{s.samples_per_s:.1f} samples/s ({s.samples} samples, {s.batches} batches, "
-                       f"{s.epochs} epoch{'' if s.epochs == 1 else 's'}, {s.elapsed_s:.2f} s)"),
+        ("throughput", f"{s.samples_per_s:.1f} samples/s from iter() on, start-up included; "
+                       f"{s.steady_samples_per_s:.1f} after the first batch ({s.samples} samples, {s.batches} "
+                       f"batches, {s.epochs} epoch{'' if s.epochs == 1 else 's'}, {s.elapsed_s:.2f} s)"),
         ("waiting", f"{s.wait_fraction:.1%} of the time after the first batch "
                     f"({s.wait_s:.2f} s; first batches took {s.first_batch_s:.2f} s)"),
         ("reads", f"{s.reads} ({_bytes(s.bytes_read)} on the event loop), p50 {s.read_p50_ms:.2f} ms, "
@@ -195,7 +299,8 @@ def format_stats(stats: LoaderStats) -> str:
         ("skipped", skipped),
         ("worker restarts", f"{s.worker_restarts}"),
         ("shared memory", _bytes(s.shm_bytes)),
-        ("verdict", s.verdict),
+        ("CPUs", s.cpu_evidence),
+        ("verdict", f"[{s.verdict_category}] {s.verdict}"),
     ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {text}" for label, text in rows)
@@ -207,6 +312,100 @@ def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     pos = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
     return ordered[pos]
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def machine_cpu() -> tuple[float, int] | None:
+    """``(busy CPU-seconds since boot, CPUs)`` of the whole machine, from ``/proc/stat``: every
+    process's time, the kernel's and the hypervisor's steal; not idle or I/O wait. ``None``
+    where there is no ``/proc/stat``."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            lines = f.read().split(b"\n")
+        values = [int(v) for v in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    cpus = sum(1 for line in lines[1:] if line.startswith(b"cpu"))
+    return (sum(values) - values[3] - values[4]) / _TICK, cpus
+
+
+def process_cpu(pid: int) -> tuple[float, float | None] | None:
+    """``(CPU seconds, seconds runnable but waiting for a CPU)`` of process ``pid`` over its
+    life, all its threads: ``/proc/<pid>/stat`` and ``/proc/<pid>/task/*/schedstat`` (the
+    second is ``None`` where the kernel has no scheduler statistics). ``None`` once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+    except (OSError, ValueError, IndexError):
+        return None
+    waited = 0.0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                waited += int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return cpu, None
+    return cpu, waited
+
+
+class CpuWindow:
+    """The CPU counters of the machine and of a loader's processes over the windows it is
+    measured in (its epochs): :meth:`open` and :meth:`close` bracket one; :meth:`totals` adds
+    the closed ones to the open one. The loader's processes are this one (loader and training
+    loop) and the worker pids ``workers()`` returns."""
+
+    def __init__(self, workers: Callable[[], list[int | None]]):
+        self.workers = workers
+        self.closed = dict(window=0.0, busy=0.0, program=0.0, worker=0.0, wait=0.0)
+        self.measured = False  # scheduler wait figures were read for some worker
+        self.cpus = 0
+        self._base: tuple | None = None
+
+    def _sample(self) -> tuple | None:
+        machine = machine_cpu()
+        if machine is None:
+            return None
+        self.cpus = machine[1]
+        procs = {}
+        for pid in self.workers():
+            figures = process_cpu(pid) if pid is not None else None
+            if figures is not None:
+                procs[pid] = figures
+        return time.perf_counter(), machine[0], time.process_time(), procs
+
+    def open(self) -> None:
+        self.close()
+        self._base = self._sample()
+
+    def close(self) -> None:
+        base, self._base = self._base, None
+        if base is not None:
+            for key, value in self._delta(base).items():
+                self.closed[key] += value
+
+    def _delta(self, base) -> dict:
+        now = self._sample()
+        if now is None:
+            return {}
+        worker = wait = 0.0
+        for pid, (cpu, waited) in now[3].items():
+            cpu0, waited0 = base[3].get(pid, (0.0, 0.0))
+            worker += cpu - cpu0
+            if waited is not None and waited0 is not None:
+                wait += waited - waited0
+                self.measured = True
+        return dict(window=now[0] - base[0], busy=now[1] - base[1], program=now[2] - base[2] + worker,
+                    worker=worker, wait=wait)
+
+    def totals(self) -> dict:
+        totals = dict(self.closed)
+        if self._base is not None:
+            for key, value in self._delta(self._base).items():
+                totals[key] += value
+        return totals
 
 
 SKIPPED_KEPT = 10_000
@@ -224,6 +423,7 @@ class StatsRecorder:
 
     def __init__(self):
         self._lock = threading.Lock()
+        self.worker_pids: Callable[[], list[int | None]] = list  # set by the loader: its workers' pids
         self.reset()
 
     def reset(self) -> None:
@@ -247,6 +447,8 @@ class StatsRecorder:
             self.skipped_total = 0
             self.worker_restarts = 0
             self.shm_bytes = 0
+            self.first_batch_samples = 0
+            self._cpu = CpuWindow(lambda: self.worker_pids())
             self._closed_s = 0.0
             self._epoch_start: float | None = None
             self._epoch_last = 0.0
@@ -293,6 +495,7 @@ class StatsRecorder:
             self.epochs += 1
             self._epoch_start = self._epoch_last = now
             self._first_pending = True
+            self._cpu.open()
 
     def delivered(self, samples: int, waited: float) -> None:
         """A batch was handed over after ``waited`` seconds inside ``__next__``."""
@@ -302,6 +505,9 @@ class StatsRecorder:
                 self._epoch_start = now - waited
                 self.epochs += 1
                 self._first_pending = True
+                self._cpu.open()
+            if self._first_pending:
+                self.first_batch_samples += samples
             self._account_wait(now, waited)
             self.batches += 1
             self.samples += samples
@@ -329,6 +535,7 @@ class StatsRecorder:
         if self._epoch_start is not None:
             self._closed_s += self._epoch_last - self._epoch_start
             self._epoch_start = None
+            self._cpu.close()
 
     def _elapsed(self) -> float:
         if self._epoch_start is None:
@@ -359,8 +566,12 @@ class StatsRecorder:
                 decoded=self.decoded, decode_s=self.decode_s, decode_cpu_s=self.decode_cpu_s,
                 reads_in_flight=max(0, self.reads_in_flight), queue_occupancy=self.queue_occupancy,
                 skipped=tuple(self.skipped), skipped_total=self.skipped_total, worker_restarts=self.worker_restarts,
-                shm_bytes=self.shm_bytes,
+                shm_bytes=self.shm_bytes, first_batch_samples=self.first_batch_samples,
             )
+            cpu = self._cpu.totals()
+            values.update(cpu_window_s=cpu["window"], machine_busy_s=cpu["busy"], program_cpu_s=cpu["program"],
+                          worker_cpu_s=cpu["worker"], worker_cpu_wait_s=cpu["wait"], cpus=self._cpu.cpus,
+                          cpu_wait_measured=self._cpu.measured)
         values["read_p50_ms"] = _percentile(latencies, 0.5) * 1e3
         values["read_p99_ms"] = _percentile(latencies, 0.99) * 1e3
         values.update(gauges)

@@ -1,5 +1,9 @@
 """The embedded default data: a folder of ImageNet-like synthetic JPEGs, made locally.
 
+``aioload.make_data(root, n)`` (and ``aioload make-data DIR``) makes one anywhere; with no
+``root`` it lands in the data cache, ``$AIOLOAD_CACHE`` (default ``~/.cache/aioload``), where
+``aioload bench`` and the examples find it again.
+
 Each image is a smooth random colour field with mid-frequency structure and fine grain, at
 ImageNet's typical size (about 400x350, varied) and JPEG quality 85-95, so that it decodes at
 the cost of a real photo and compresses to a realistic size. Generation is seeded: the same
@@ -9,6 +13,7 @@ arguments always give the same files. Nothing is downloaded.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -62,15 +67,47 @@ def _write_range(args) -> None:
         _write(root, classes, seed, i)
 
 
+def default_root(images: int = DEFAULT_IMAGES, classes: int = DEFAULT_CLASSES, seed: int = 0) -> Path:
+    """Where :func:`make_data` puts a folder when it is given none: in :func:`cache_dir`."""
+    return cache_dir() / f"imagenet-like-{images}-{classes}-s{seed}"
+
+
+def is_complete(root: str | os.PathLike) -> bool:
+    """``root`` holds a folder that :func:`make_data` finished (it is reused as it is)."""
+    return (Path(root) / ".complete").exists()
+
+
+def make_data(root: str | os.PathLike | None = None, n: int = DEFAULT_IMAGES, *,
+              classes: int = DEFAULT_CLASSES, seed: int = 0, processes: int = 1,
+              quiet: bool = True) -> Path:
+    """Make (once) a folder of ``n`` synthetic ImageNet-like JPEGs for trying a loader.
+
+    The layout is ``aioload.ImageFolder``'s (and torchvision's): ``root/class_000/img_000000.jpg``
+    and so on, ``classes`` class folders, image ``i`` in class ``i % classes``. Images are about
+    400x350 px at JPEG quality 85-95, so they decode at the cost of real photos. Nothing is
+    downloaded; the files depend only on ``(seed, i)``, whatever ``processes`` makes them.
+
+    ``root=None`` puts the folder in the data cache: ``$AIOLOAD_CACHE`` if set, else
+    ``~/.cache/aioload``. A folder already complete is reused as it is (nothing is written);
+    a partial one is completed. ``processes`` writes with that many processes;
+    ``quiet=False`` prints progress on stderr. Returns the folder.
+    """
+    for name, value in (("n", n), ("classes", classes), ("processes", processes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"make_data: {name} must be an int >= 1, got {value!r}")
+    return make_image_folder(root, images=n, classes=classes, seed=seed, quiet=quiet, processes=processes)
+
+
 def make_image_folder(root: str | os.PathLike | None = None, images: int = DEFAULT_IMAGES,
                       classes: int = DEFAULT_CLASSES, seed: int = 0, quiet: bool = True,
                       processes: int = 1) -> Path:
-    """Create (once) ``images`` JPEGs in ``classes`` class folders under ``root``.
+    """Create (once) ``images`` JPEGs in ``classes`` class folders under ``root`` (the
+    implementation of :func:`make_data`, without its argument checks).
 
     Returns the folder. An existing complete folder is reused; a partial one is completed.
     Image ``i`` depends only on ``(seed, i)``, so ``processes > 1`` makes the same files.
     """
-    root = Path(root) if root is not None else cache_dir() / f"imagenet-like-{images}-{classes}-s{seed}"
+    root = Path(root) if root is not None else default_root(images, classes, seed)
     marker = root / ".complete"
     if marker.exists():
         return root
@@ -84,11 +121,11 @@ def make_image_folder(root: str | os.PathLike | None = None, images: int = DEFAU
         with mp.get_context("fork").Pool(processes) as pool:
             for done, _ in enumerate(pool.imap_unordered(_write_range, ranges), 1):
                 if not quiet:
-                    print(f"  generated {min(done * step, images)}/{images} images", flush=True)
+                    print(f"  generated {min(done * step, images)}/{images} images", file=sys.stderr, flush=True)
     else:
         for args in ranges:
             _write_range(args)
             if not quiet:
-                print(f"  generated {args[4]}/{images} images", flush=True)
+                print(f"  generated {args[4]}/{images} images", file=sys.stderr, flush=True)
     marker.touch()
     return root

@@ -3,6 +3,11 @@
     torchrun --nproc-per-node 2 examples/ddp_train.py                       # a few steps
     torchrun --nproc-per-node 2 examples/ddp_train.py --steps 3 --checkpoint ckpt.pt
     torchrun --nproc-per-node 2 examples/ddp_train.py --steps 6 --resume ckpt.pt
+    python examples/ddp_train.py                                            # one process: a world of 1
+
+Launch it with ``torchrun``, which starts one process per rank and tells each its ``RANK``,
+``WORLD_SIZE`` and where rank 0 listens. Started with plain ``python`` (no ``RANK`` in the
+environment), it says so and runs as a world of one rank on 127.0.0.1, the same code path.
 
 Once ``torch.distributed`` is initialised, aioload gives each rank its own shard of the
 dataset (disjoint, equal lengths, reshuffled every epoch); ``seed=`` makes the order and every
@@ -26,13 +31,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torchvision.transforms import v2
 
 import aioload
-from aioload._synth import make_image_folder
 
 CLASSES = 4
 
 
 def arguments() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", help="an image folder (default: generate the synthetic one)")
     p.add_argument("--images", type=int, default=64, help="synthetic images to generate")
     p.add_argument("--steps", type=int, default=6, help="train until this many steps in all")
@@ -45,7 +49,23 @@ def arguments() -> argparse.Namespace:
     return p.parse_args()
 
 
+def single_process_defaults() -> None:
+    """Without torchrun: the environment of a world of one rank, rank 0 listening on a free
+    port of 127.0.0.1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    print("not started by torchrun (no RANK in the environment): running as a single process, a world "
+          "of 1; for more ranks: torchrun --nproc-per-node N examples/ddp_train.py", flush=True)
+
+
 def setup() -> tuple[int, int, torch.device]:
+    if "RANK" not in os.environ:
+        single_process_defaults()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
@@ -63,9 +83,9 @@ def dataset(args) -> aioload.ImageFolder:
         root = args.data
     else:
         if dist.get_rank() == 0:  # one rank generates, the others wait
-            make_image_folder(images=args.images, classes=CLASSES)
+            aioload.make_data(n=args.images, classes=CLASSES)
         dist.barrier()
-        root = make_image_folder(images=args.images, classes=CLASSES)
+        root = aioload.make_data(n=args.images, classes=CLASSES)
     size = args.image_size
     crop = v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
     return aioload.ImageFolder(root, transform=crop, decode_size=(size, size))

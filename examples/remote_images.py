@@ -4,7 +4,8 @@
     python examples/remote_images.py --steps 40 --cache disk --cache-dir /tmp/aioload-cache
 
 The script serves the embedded synthetic image folder with Python's own HTTP server on
-127.0.0.1 (in a child process, standing in for a remote web server or object store), then
+127.0.0.1 (in a child process, standing in for a remote web server or object store; it ends
+with this script, even one killed with SIGKILL), then
 trains a tiny model reading the images by URL. Reads are many requests in flight on the
 loader's event loop over pooled keep-alive connections; failed requests (connection errors,
 timeouts, 429, 5xx) are retried with backoff. With ``--cache memory`` (the default) the
@@ -16,6 +17,9 @@ installed.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+import signal
 import subprocess
 import sys
 
@@ -25,11 +29,10 @@ from torch import nn
 from torchvision.transforms import v2
 
 import aioload
-from aioload._synth import make_image_folder
 
 
 def arguments() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, default=64, help="synthetic images to generate and serve")
     p.add_argument("--steps", type=int, default=8, help="training steps in all")
     p.add_argument("--batch-size", type=int, default=16)
@@ -40,10 +43,27 @@ def arguments() -> argparse.Namespace:
     return p.parse_args()
 
 
+def _end_with_parent(parent: int):
+    """For the server's ``preexec_fn``: on Linux, the kernel sends the child SIGTERM when this
+    process dies, by SIGKILL too (``prctl(PR_SET_PDEATHSIG)``); elsewhere this does nothing
+    and the server is only stopped by ``finally`` below."""
+
+    def arm() -> None:
+        if not sys.platform.startswith("linux"):
+            return
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
 def start_server(root) -> tuple[subprocess.Popen, str]:
-    """``python -m http.server`` on 127.0.0.1, on a free port, serving ``root``."""
+    """``python -m http.server`` on 127.0.0.1, on a free port, serving ``root``; it exits
+    when this process does."""
     proc = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1",
-                             "--directory", str(root)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             "--directory", str(root)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            preexec_fn=_end_with_parent(os.getpid()))
     line = proc.stdout.readline()  # "Serving HTTP on 127.0.0.1 port 40123 (http://127.0.0.1:40123/) ..."
     if " port " not in line:
         proc.kill()
@@ -62,7 +82,7 @@ def model_for(classes: int) -> nn.Module:
 
 def main() -> None:
     args = arguments()
-    root = make_image_folder(images=args.images, classes=4)
+    root = aioload.make_data(n=args.images, classes=4)
     classes = sorted(d.name for d in root.iterdir() if d.is_dir())
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.jpg"))
     server, base = start_server(root)

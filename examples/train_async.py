@@ -15,7 +15,6 @@ import torch
 from torchvision.transforms import v2
 
 import aioload
-from aioload._synth import make_image_folder
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -28,7 +27,7 @@ async def heartbeat(period: float, ticks: list) -> None:
 
 async def train(args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    root = args.data or make_image_folder(images=256, classes=4)
+    root = args.data or aioload.make_data(n=256, classes=4)
     dataset = aioload.ImageFolder(root, v2.Compose([v2.RandomResizedCrop(128, antialias=True),
                                                     v2.RandomHorizontalFlip()]))
     model = torch.nn.Sequential(
@@ -58,10 +57,10 @@ async def train(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--data")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--workers", type=int, default=2)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", help="ImageFolder-style directory (default: 256 generated JPEGs)")
+    parser.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
+    parser.add_argument("--workers", type=int, default=2, help="decode processes (default: 2)")
     asyncio.run(train(parser.parse_args()))
 
 

@@ -183,14 +183,19 @@ def test_verdict_consumer_bound():
 
 
 def test_verdict_decode_bound_oversubscribed_and_in_process():
+    # figures without CPU counters (cpu_window_s=0): no claim about idle CPUs or who held them;
+    # tests/test_verdict.py covers the verdict with measured counters
     figures = dict(batches=10, samples=40, elapsed_s=2.0, first_batch_s=0.2, wait_s=0.9, reads=40, decoded=40,
                    decode_s=3.8, num_workers=2, io_concurrency=64)
     s = LoaderStats(**figures, decode_cpu_s=3.7)
-    assert s.verdict == "data-bound 50% of the time: decode is saturated (2 workers 95% busy), raise num_workers"
+    assert s.verdict_category == "decode-bound"
+    assert s.verdict == ("data-bound 50% of the time: decode is saturated (2 workers 95% busy, on a CPU 97%), "
+                         "raise num_workers if the machine has idle CPUs")
     s = LoaderStats(**figures, decode_cpu_s=0.38)  # decode was runnable, but mostly not running
-    assert s.verdict.startswith("data-bound 50% of the time: the CPUs are oversubscribed: decode ran at 10% of a CPU")
+    assert s.verdict_category == "unexplained"
+    assert s.verdict.startswith("data-bound 50% of the time: decode was on a CPU 10% of the time it ran; whether")
     s = LoaderStats(batches=10, samples=40, elapsed_s=2.0, first_batch_s=0.2, wait_s=0.9, num_workers=0)
-    assert "num_workers=0" in s.verdict
+    assert s.verdict_category == "in-process" and "num_workers=0" in s.verdict
     assert LoaderStats().verdict == "no batches delivered yet"
 
 
@@ -198,10 +203,10 @@ class SleepyItems(torch.utils.data.Dataset):
     """A plain dataset whose ``__getitem__`` waits on "I/O" (sleeps) inside the worker."""
 
     def __len__(self) -> int:
-        return 96
+        return 24
 
     def __getitem__(self, i):
-        time.sleep(0.01)
+        time.sleep(0.1)  # long beside the few ms a wake-up may wait for a CPU on a busy machine
         return torch.tensor([i])
 
 
@@ -209,7 +214,7 @@ def test_verdict_plain_dataset_waiting_on_io_in_workers():
     with aioload.DataLoader(SleepyItems(), batch_size=4, num_workers=2) as loader:
         drain(loader)
         s = loader.stats()
-    assert s.reads == 0 and s.decoded == 96
+    assert s.reads == 0 and s.decoded == 24
     assert s.decode_cpu_share < 0.6
     assert s.verdict.startswith("data-bound ")
     assert "give the dataset an async read() (aioload.Dataset)" in s.verdict

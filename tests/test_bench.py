@@ -1,0 +1,205 @@
+"""``aioload bench`` (both scenarios, the plot, the HTTP server's lifetime), its help, and
+``aioload make-data`` / ``aioload.make_data``.
+
+The bench runs for real on a few images and one round: a real HTTP server on 127.0.0.1, both
+loaders, real worker processes. Nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import aioload
+from aioload import _cli
+from aioload._synth import default_root
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--images", "32", "--batch-size", "8", "--workers", "1", "--rounds", "1"]
+
+
+def bench_env(cache: Path, path: str = str(ROOT)) -> dict:
+    return dict(os.environ, AIOLOAD_CACHE=str(cache), PYTHONPATH=path)
+
+
+def run_bench(args: list[str], cache: Path, timeout: float = 300, path: str = str(ROOT)) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "aioload", "bench", *args], cwd=cache.parent,
+                          env=bench_env(cache, path), capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def servers_for(root: Path) -> list[int]:
+    """Pids of live bench servers serving ``root`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != b"Z" and any(a.endswith(b"_benchserver.py") for a in argv) and os.fsencode(root) in argv:
+            found.append(int(entry))
+    return found
+
+
+def test_bench_runs_both_scenarios_and_draws_a_png(tmp_path):
+    cache = tmp_path / "cache"
+    # without the http extra: an aiohttp that cannot be imported comes first on the path
+    blocked = tmp_path / "no-extras" / "aiohttp"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('aiohttp is not installed here')\n")
+    done = run_bench([*SMALL, "--plot", str(tmp_path / "bench.png")], cache,
+                     path=os.pathsep.join([str(blocked.parent), str(ROOT)]))
+    out, err = done.stdout, done.stderr
+    assert f"generating 32 synthetic ImageNet-like JPEGs in {cache}" in err
+    assert "made earlier" not in err
+    table = out.split("aioload pipeline")[0]
+    local, http = table.split("\nlocal folder\n")[1].split("\nHTTP, 20 ms round trip\n")
+    for block in (local, http):
+        for label, _, _ in _cli.ROWS:
+            assert f"  {label} " in block
+    assert "ceiling img/s (no loader)" in local and "aioload img/s / local ceiling" in http
+    # aioload's own statistics: local files are read in the workers (0 B on the event loop),
+    # every image of the HTTP scenario on the event loop
+    stats = out.split("aioload pipeline, HTTP, 20 ms round trip")[1]
+    reads = re.search(r"reads\s+(\d+) \(([\d.]+) (B|KB|MB) on the event loop\)", stats)
+    assert reads and int(reads.group(1)) == 32 and reads.group(3) != "B"
+    assert re.search(r"reads\s+\d+ \(0 B on the event loop\)", out.split("aioload pipeline, local folder")[1])
+    assert "verdict          [" in stats
+    # a bar per round, then the round's line
+    for name in ("local torch DataLoader", "local aioload DataLoader", "http  torch DataLoader",
+                 "http  aioload DataLoader"):
+        assert f"round 1/1 {name}: " in err  # its bar
+        assert re.search(f"round 1/1 {name} +[\\d.]+ img/s after the first batch", err)
+    assert err.count("0/4 [") >= 4  # each bar counts the round's 4 batches
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert servers_for(cache / "imagenet-like-32-8-s0") == []
+
+
+def test_bench_reuses_its_data_and_draws_an_svg(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("AIOLOAD_CACHE", str(cache))
+    made = aioload.make_data(n=32)
+    assert made == cache / "imagenet-like-32-8-s0" == default_root(32)
+    done = run_bench([*SMALL, "--scenarios", "local", "--plot", str(tmp_path / "bench.svg")], cache)
+    assert f"using the 32 synthetic JPEGs made earlier in {made}" in done.stderr
+    assert "generating" not in done.stderr
+    assert "\nlocal folder\n" in done.stdout and "HTTP" not in done.stdout
+    assert "<svg" in (tmp_path / "bench.svg").read_text()
+
+
+@pytest.mark.parametrize("how", ["interrupt", "kill"])
+def test_bench_server_stops_with_the_bench(tmp_path, how):
+    cache = tmp_path / "cache"
+    root = aioload.make_data(tmp_path / "data", 32)
+    proc = subprocess.Popen([sys.executable, "-m", "aioload", "bench", "--data", str(root), "--scenarios", "http",
+                             "--batch-size", "8", "--workers", "1", "--rounds", "1000"],
+                            env=bench_env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90  # hang guards, not timings
+        while not servers_for(root):
+            assert proc.poll() is None and time.monotonic() < deadline, "the bench's server never started"
+            time.sleep(0.05)
+        server = servers_for(root)[0]
+        if how == "interrupt":  # Ctrl-C
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(60) == 130
+        else:
+            proc.kill()
+            proc.wait(60)
+        while servers_for(root):
+            assert time.monotonic() < deadline + 30, f"the bench's server (pid {server}) outlived the bench"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
+        for pid in servers_for(root):
+            os.kill(pid, signal.SIGKILL)
+
+
+# -- the command line's help ------------------------------------------------------------------
+def subcommands() -> dict:
+    parser = _cli.parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices
+
+
+@pytest.mark.parametrize("command", ["bench", "make-data"])
+def test_every_option_has_help_and_its_default(command):
+    for action in subcommands()[command]._actions:
+        if action.dest == "help" or not action.option_strings:
+            continue
+        assert action.help and "default" in action.help, action.option_strings
+
+
+def test_top_level_help_is_plain_text_and_names_the_cache_variable(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _cli.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "`" not in out
+    assert "aioload bench" in out and "aioload make-data DIR" in out
+    assert "AIOLOAD_CACHE" in out and "~/.cache/aioload" in out
+    bench = " ".join(subcommands()["bench"].format_help().split())  # help lines are wrapped
+    assert "AIOLOAD_CACHE" in bench and "(default: 20)" in bench and "(default: local,http)" in bench
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert _cli.main(["bench", "--data", str(tmp_path), "--plot", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err == (
+        "error: --plot needs matplotlib, which is not installed: pip install 'aioload[plot]'\n")
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_needs_a_png_or_svg_name(tmp_path, capsys):
+    assert _cli.main(["bench", "--data", str(tmp_path), "--plot", str(tmp_path / "x.jpg")]) == 2
+    assert capsys.readouterr().err == f"error: --plot {tmp_path / 'x.jpg'}: the file must end in .png or .svg\n"
+
+
+# -- making data --------------------------------------------------------------------------------
+def test_make_data_command(tmp_path, capsys):
+    target = tmp_path / "photos"
+    assert _cli.main(["make-data", str(target), "--images", "6", "--classes", "3"]) == 0
+    assert capsys.readouterr().out.endswith(f"6 JPEGs in 3 class folders under {target}\n")
+    dataset = aioload.ImageFolder(target)
+    assert len(dataset) == 6 and dataset.classes == ["class_000", "class_001", "class_002"]
+    assert [label for _, label in dataset.samples] == [0, 0, 1, 1, 2, 2]
+    before = {p: p.stat().st_mtime_ns for p in target.rglob("*.jpg")}
+    assert _cli.main(["make-data", str(target), "--images", "6", "--classes", "3"]) == 0
+    assert capsys.readouterr().out == f"{target} already holds a complete generated folder: nothing to do\n"
+    assert {p: p.stat().st_mtime_ns for p in target.rglob("*.jpg")} == before
+
+
+def test_make_data_is_deterministic_and_decodes(tmp_path):
+    from PIL import Image
+
+    a = aioload.make_data(tmp_path / "a", 4, classes=2, seed=3)
+    b = aioload.make_data(tmp_path / "b", 4, classes=2, seed=3)
+    files = sorted(p.relative_to(a) for p in a.rglob("*.jpg"))
+    assert len(files) == 4
+    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+    with Image.open(a / files[0]) as image:  # an independent decoder reads it
+        assert image.format == "JPEG" and 330 <= image.width < 500 and 280 <= image.height < 420
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"n": 0}, "make_data: n must be an int >= 1, got 0"),
+    ({"n": 4, "classes": "8"}, "make_data: classes must be an int >= 1, got '8'"),
+])
+def test_make_data_rejects_bad_counts(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        aioload.make_data(tmp_path, **kwargs)
