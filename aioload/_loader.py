@@ -383,16 +383,35 @@ class DataLoader:
         return res.pool
 
     def __iter__(self) -> "_Iterator | _InProcessIterator":
+        """An iterator over the next epoch. Making it starts nothing: the epoch (its plan, the
+        workers, the engine) starts at its first ``next()``, so an iterator made to probe the
+        loader and dropped costs nothing and leaves the epoch count as it was."""
+        if self._res.closed:
+            raise LoaderClosedError("this DataLoader was closed; create a new one to iterate again")
+        _warn_as_torch_iterator(self)
+        if self.num_workers == 0 and not self._split:
+            return _InProcessIterator(self)
+        return _Iterator(self)
+
+    def _begin_epoch(self) -> _PoolSettings:
+        """An iterator starts: the epoch in progress, if any, ends (one epoch at a time)."""
         if self._res.closed:
             raise LoaderClosedError("this DataLoader was closed; create a new one to iterate again")
         if self._res.epoch_state is not None:
             self._res.epoch_state["superseded"] = True
         self._res.stop_engine()
-        _warn_as_torch_iterator(self)
         self._epoch_begins(self._next_epoch)
-        settings = self._settings()
-        if settings.num_workers == 0 and not self._split:
-            return _InProcessIterator(self, self._plan())
+        return self._settings()
+
+    def _start_in_process(self) -> Plan:
+        """The first ``next()`` of an in-process iterator: the epoch's plan."""
+        self._begin_epoch()
+        return self._plan()
+
+    def _start_engine(self, state: dict) -> tuple[Engine, ReadyQueue, Any]:
+        """The first ``next()`` of an iterator fed by the engine: the epoch's plan, the worker
+        pool (kept from the last epoch or started now) and the engine's thread."""
+        settings = self._begin_epoch()
         plan = self._plan()
         self._current_base = plan.base_seed
         pool = self._pool(plan.base_seed, settings) if settings.num_workers > 0 else None
@@ -402,9 +421,8 @@ class DataLoader:
         engine = Engine(spec, plan, pool, self._res.shared, ready, self._stats, transfer)
         engine.start()
         self._res.engine = engine
-        iterator = _Iterator(self, engine, ready, transfer)
-        self._res.epoch_state = iterator._state
-        return iterator
+        self._res.epoch_state = state
+        return engine, ready, transfer
 
     def __aiter__(self) -> "_Iterator | _InProcessIterator":
         return self.__iter__()

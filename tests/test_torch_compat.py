@@ -4,13 +4,17 @@ seeing it in ``torch.profiler`` traces."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import gc
 import multiprocessing
+import threading
 
 import pytest
 import torch
 
 import aioload
+from tests.datasets import SlowReads, Squares
 
 _TAG = None  # set by _tag_worker in a worker process
 
@@ -143,3 +147,99 @@ def test_seed_everything_workers_sets_worker_init_fn():
         trainer.fit(model, train_dataloaders=loader)
         assert loader.worker_init_fn.func is pl_worker_init_function
     assert sorted(model.seen) == list(range(8))
+
+
+# ------------------------------------------------------------------- iter() as a probe
+
+
+def _running() -> tuple[set, set]:
+    """This process's threads and child processes."""
+    return set(threading.enumerate()), {p.pid for p in multiprocessing.active_children()}
+
+
+def _labels(loader) -> list[list[int]]:
+    return [batch[1].tolist() for batch in loader]
+
+
+_PROBED = [(Squares, 0), (Squares, 2), (SlowReads, 0), (SlowReads, 2)]
+
+
+def _ids(case) -> str:
+    return f"{case[0].__name__}-{case[1]}w"
+
+
+@pytest.mark.parametrize("case", _PROBED, ids=_ids)
+def test_an_iterator_never_advanced_starts_nothing(case):
+    """What Lightning does with a loader it does not know: ``iter()`` once to check it, then
+    drop the iterator. That starts no thread or process, draws nothing from torch's RNG,
+    counts no epoch; the next epoch is the one it would have been without the probe."""
+    dataset_cls, workers = case
+    torch.manual_seed(3)
+    with aioload.DataLoader(dataset_cls(20), batch_size=4, shuffle=True, num_workers=workers) as loader:
+        reference = [_labels(loader), _labels(loader)]
+    torch.manual_seed(3)
+    with aioload.DataLoader(dataset_cls(20), batch_size=4, shuffle=True, num_workers=workers) as loader:
+        before, rng, state = _running(), torch.get_rng_state(), loader.state_dict()
+        probe = iter(loader)
+        assert _running() == before
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert loader.state_dict() == state
+        del probe
+        gc.collect()
+        assert [_labels(loader), _labels(loader)] == reference
+
+
+def test_an_async_iterator_never_advanced_starts_nothing():
+    async def main():
+        with aioload.DataLoader(SlowReads(12), batch_size=4, num_workers=2) as loader:
+            before = _running()
+            probe = aiter(loader)
+            assert _running() == before
+            del probe
+            return [batch[1].tolist() async for batch in loader]
+
+    assert asyncio.run(main()) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterator_takes_its_epoch_when_it_starts(workers):
+    """``set_epoch`` between ``iter()`` and the first ``next()`` applies to that iterator,
+    as a ``DistributedSampler``'s does in torch (its order is drawn at the first ``next()``)."""
+    with aioload.DataLoader(Squares(20), batch_size=4, shuffle=True, seed=1, num_workers=workers) as loader:
+        loader.set_epoch(2)
+        reference = _labels(loader)
+    with aioload.DataLoader(Squares(20), batch_size=4, shuffle=True, seed=1, num_workers=workers) as loader:
+        it = iter(loader)
+        loader.set_epoch(2)
+        assert [batch[1].tolist() for batch in it] == reference
+        assert loader.state_dict()["epoch"] == 3
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_probe_leaves_the_running_epoch_alone(workers):
+    """A probe made while an epoch runs does not end it; an iterator that starts does."""
+    with aioload.DataLoader(Squares(12), batch_size=4, num_workers=workers) as loader:
+        it = iter(loader)
+        first = next(it)[1].tolist()
+        probe = iter(loader)
+        assert [first] + [batch[1].tolist() for batch in it] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        assert [batch[1].tolist() for batch in probe] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_a_closed_probe_never_starts():
+    with aioload.DataLoader(Squares(8), batch_size=4, num_workers=2) as loader:
+        before = _running()
+        probe = iter(loader)
+        assert _running() == before
+        probe.close()
+        assert list(probe) == []
+        assert _running() == before
+        assert _labels(loader) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_a_probe_of_a_closed_loader_raises_when_it_starts():
+    loader = aioload.DataLoader(Squares(8), batch_size=4, num_workers=2)
+    probe = iter(loader)
+    loader.close()
+    with pytest.raises(aioload.LoaderClosedError, match="^this DataLoader was closed; create a new one to iterate again$"):
+        next(probe)
