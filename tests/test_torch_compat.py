@@ -303,3 +303,47 @@ def test_aioload_can_take_torchs_place(tmp_path):
     assert runs["swapped"] == expected
     warned = " ".join(line for line in expected if line.startswith("UserWarning"))
     assert all(text in warned for text in ("pin_memory", "worker processes", "Length of IterableDataset"))
+
+
+# ------------------------------------------------------------------- torch.profiler ranges
+
+
+def _ranges(loader_cls, workers: int, split: bool, run) -> list[str]:
+    """The DataLoader ranges (``enumerate(DataLoader)#...``) a profiler records while ``run``
+    iterates a 3-batch loader."""
+    dataset = SlowReads(12) if split else Squares(12)
+    loader = loader_cls(dataset, batch_size=4, num_workers=workers)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            batches = run(loader)
+    finally:
+        getattr(loader, "close", lambda: None)()
+    assert batches == 3
+    return [e.name for e in prof.events() if e.name.startswith("enumerate(DataLoader)#")]
+
+
+def _sync(loader) -> int:
+    return sum(1 for _ in loader)
+
+
+def _async(loader) -> int:
+    async def main():
+        return sum([1 async for _ in loader])
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("case", _PROBED, ids=_ids)
+def test_each_batch_is_a_profiler_range(case):
+    """As torch's iterators do, each ``next()`` is a ``record_function`` range (the last one,
+    which ends the epoch, too), named for aioload and for what the training loop waits on."""
+    dataset_cls, workers = case
+    split = dataset_cls is SlowReads
+    expected = len(_ranges(torch.utils.data.DataLoader, workers, split, _sync))
+    assert expected == 4  # 3 batches, then the StopIteration
+    name = ("enumerate(DataLoader)#aioload.DataLoader.__next__ (loading a batch in this process)"
+            if workers == 0 and not split else
+            "enumerate(DataLoader)#aioload.DataLoader.__next__ (waiting for a batch)")
+    assert _ranges(aioload.DataLoader, workers, split, _sync) == [name] * expected
+    assert _ranges(aioload.DataLoader, workers, split, _async) == [
+        "enumerate(DataLoader)#aioload.DataLoader.__anext__ (waiting for a batch)"] * expected
