@@ -226,6 +226,21 @@ def test_a_probe_leaves_the_running_epoch_alone(workers):
         assert [batch[1].tolist() for batch in probe] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
 
+def test_an_epoch_read_to_its_last_batch_keeps_the_workers():
+    """Lightning takes ``len(loader)`` batches and drops the iterator without asking for the
+    ``StopIteration``: that epoch ran to its end, and the next one keeps the workers."""
+    from tests.conftest import child_pids
+
+    with aioload.DataLoader(Squares(12), batch_size=4, num_workers=2) as loader:
+        it = iter(loader)
+        assert [next(it)[1].tolist() for _ in range(len(loader))] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        workers = sorted(child_pids())
+        assert len(workers) == 2
+        del it
+        assert _labels(loader) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        assert sorted(child_pids()) == workers
+
+
 def test_a_closed_probe_never_starts():
     with aioload.DataLoader(Squares(8), batch_size=4, num_workers=2) as loader:
         before = _running()
