@@ -109,7 +109,8 @@ class DataLoader(Generic[_T_co]):
       ``docs/reproducibility.md``.
     """
 
-    def __init__(self, dataset: torch.utils.data.Dataset[_T_co], batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
+    def __init__(self, dataset: torch.utils.data.Dataset[_T_co],
+                 batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
                  batch_sampler=None, num_workers: int = 0, collate_fn=None, pin_memory: bool = False,
                  drop_last: bool = False, timeout: float = 0, worker_init_fn=None,
                  multiprocessing_context=None, generator=None, *, prefetch_factor: int | None = None,
@@ -361,7 +362,8 @@ class DataLoader(Generic[_T_co]):
             describe=getattr(self.dataset, "describe", None), tuner=self._tuner,
             read_timeout=self.read_timeout, max_errors=self.max_errors, epoch_samples=epoch_samples(t),
             auto_collation=t._auto_collation,
-            batched_fetch=settings.num_workers > 0 and not self._split and self.seed is None and _batched_fetch(self.dataset),
+            batched_fetch=(settings.num_workers > 0 and not self._split and self.seed is None
+                           and _batched_fetch(self.dataset)),
         )
 
     def _pool(self, base_seed: int, settings: _PoolSettings) -> WorkerPool:

@@ -77,6 +77,28 @@ def test_attributes_assign_as_on_torch():
             assert _assign(loader, name, value) == expected, name
 
 
+def test_a_generator_cannot_be_assigned_next_to_seed():
+    """``seed=`` and ``generator`` exclude each other, assigned or passed (aioload's own rule:
+    torch has no ``seed=``)."""
+    with aioload.DataLoader(Tagged(), shuffle=True, seed=1) as loader:
+        with pytest.raises(ValueError, match="^pass either seed or generator, not both: seed=S makes aioload "
+                                             "seed a generator per epoch$"):
+            loader.generator = torch.Generator()
+        assert loader.generator is None
+
+
+def test_an_assigned_generator_draws_the_order_as_in_torch():
+    orders = []
+    for loader_cls in (torch.utils.data.DataLoader, aioload.DataLoader):
+        torch.manual_seed(0)  # the sampler was built without a generator: it draws its seed here
+        loader = loader_cls(Tagged(), batch_size=4, shuffle=True, num_workers=2)
+        loader.generator = torch.Generator().manual_seed(11)
+        orders.append([_plain([batch[0] for batch in loader]), torch.get_rng_state()])
+        getattr(loader, "close", lambda: None)()
+    assert orders[1][0] == orders[0][0]
+    assert torch.equal(orders[1][1], orders[0][1])  # the base seed came from the assigned generator
+
+
 def _plain(value):
     """A batch as plain lists, to compare with ``==``."""
     if isinstance(value, torch.Tensor):
@@ -256,7 +278,8 @@ def test_a_probe_of_a_closed_loader_raises_when_it_starts():
     loader = aioload.DataLoader(Squares(8), batch_size=4, num_workers=2)
     probe = iter(loader)
     loader.close()
-    with pytest.raises(aioload.LoaderClosedError, match="^this DataLoader was closed; create a new one to iterate again$"):
+    with pytest.raises(aioload.LoaderClosedError,
+                       match="^this DataLoader was closed; create a new one to iterate again$"):
         next(probe)
 
 
