@@ -14,7 +14,7 @@ import torch
 
 from aioload import _device
 from aioload._budget import SKIPPED, budget_for, run_in_process
-from aioload._compat import _len_called, _warn_iterable_length
+from aioload._compat import LOADING, WAITING_ASYNC, _len_called, _warn_iterable_length, profiled
 from aioload._seeding import sample_seed, seed_everything
 
 if TYPE_CHECKING:
@@ -37,17 +37,27 @@ class _InProcessIterator:
     """``num_workers=0`` with a plain dataset: torch's single-process loading, in the caller's
     thread (no engine, no event loop)."""
 
-    def __init__(self, loader: DataLoader, plan: Plan):
+    def __init__(self, loader: DataLoader):
         self._loader = loader
-        self._plan = plan
-        self._budget = budget_for(loader)
-        loader._current_base = plan.base_seed
-        self._batches = plan.batches
-        self._data_iter = iter(loader.dataset) if loader._iterable else None
+        self._plan: Plan | None = None  # set, with what follows, by the first next()
+        self._budget = None
+        self._batches = None
+        self._data_iter = None
         self._data_ended = False  # as torch's fetcher: an iterator that ran out is not asked again
         self._yielded = 0
-        self._len_called = _len_called(loader)
+        self._len_called: int | None = None
         self._ended = False
+
+    def _start(self) -> None:
+        """The epoch starts at the first ``next()``: an iterator made and dropped (a framework
+        probing the loader) draws no seed, consumes no sampler and counts no epoch."""
+        loader = self._loader
+        self._len_called = _len_called(loader)
+        self._plan = loader._start_in_process()
+        self._budget = budget_for(loader)
+        loader._current_base = self._plan.base_seed
+        self._batches = self._plan.batches
+        self._data_iter = iter(loader.dataset) if loader._iterable else None
 
     def __iter__(self):
         return self
@@ -96,8 +106,14 @@ class _InProcessIterator:
         return _collate_in_process(loader, self._budget, samples)
 
     def __next__(self):
+        with profiled(LOADING):
+            return self._next()
+
+    def _next(self):
         if self._ended:
             raise StopIteration
+        if self._plan is None:
+            self._start()
         started = time.perf_counter()
         try:
             batch = self._fetch()
@@ -123,12 +139,13 @@ class _InProcessIterator:
 
     def _next_or_end(self):
         try:
-            return self.__next__()
+            return self._next()
         except StopIteration:
             return _END
 
     async def __anext__(self):
-        batch = await anyio.to_thread.run_sync(self._next_or_end)
+        with profiled(WAITING_ASYNC):  # the range is the coroutine's: it waits for the thread
+            batch = await anyio.to_thread.run_sync(self._next_or_end)
         if batch is _END:
             raise StopAsyncIteration
         return batch

@@ -1,5 +1,6 @@
-"""The sync/async front end of one epoch: the iterator takes finished batches from the ready
-queue for ``for`` or ``async for``; dropping it, ``break``, an exception or Ctrl-C stops the engine."""
+"""The sync/async front end of one epoch: the iterator starts the epoch at its first ``next()``
+and takes finished batches from the ready queue for ``for`` or ``async for``; dropping it,
+``break``, an exception or Ctrl-C stops the engine."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from aioload import _device
-from aioload._compat import _len_called, _warn_iterable_length
+from aioload._compat import WAITING, WAITING_ASYNC, _len_called, _warn_iterable_length, profiled
 from aioload._errors import DataLoaderTimeoutError, LoaderClosedError
 from aioload._gpudecode import DecodeTransfer
 from aioload._inprocess import _AllSkipped, _decode_in_process
@@ -33,18 +34,29 @@ class _NotYet(Exception):
 class _Iterator:
     """One epoch, as seen by the training loop (``for`` or ``async for``)."""
 
-    def __init__(self, loader: DataLoader, engine: Engine, ready: ReadyQueue, transfer):
+    def __init__(self, loader: DataLoader):
         self._loader = loader
-        self._engine = engine
-        self._ready = ready
-        self._transfer = transfer
-        self._timeout = loader.timeout or None
+        self._engine: Engine | None = None  # set, with what follows, by the first next()
+        self._ready: ReadyQueue | None = None
+        self._transfer = None
+        self._timeout: float | None = None
         self._done = False
         self._yielded = 0
-        self._len_called = _len_called(loader)
+        self._len_called: int | None = None
+        self._batches: int | None = None  # the epoch's batches, where the sampler knows them
         self._state = {"exhausted": False}
+        self._finalizer: weakref.finalize | None = None
+
+    def _start(self) -> None:
+        """The epoch starts at the first ``next()``, not at ``iter()``: frameworks make an
+        iterator to probe a loader and drop it, and that must start no process or thread."""
+        loader = self._loader
+        self._len_called = _len_called(loader)
+        self._timeout = loader.timeout or None
+        self._batches = None if loader._iterable else len(loader)
+        self._engine, self._ready, self._transfer = loader._start_engine(self._state)
         self._finalizer = weakref.finalize(
-            self, _abandon_epoch, engine, loader._res, self._state, loader.persistent_workers
+            self, _abandon_epoch, self._engine, loader._res, self._state, loader.persistent_workers
         )
 
     def __iter__(self) -> "_Iterator":
@@ -56,7 +68,8 @@ class _Iterator:
     def _end(self, exhausted: bool = False) -> None:
         self._done = True
         self._state["exhausted"] = exhausted
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
 
     def _take(self, get=None, started: float | None = None):
         """Block until the next item (or, with ``get``, take it without blocking); returns
@@ -108,11 +121,21 @@ class _Iterator:
         elif loader._pin:
             batch = _device.pin_batch(batch)
         self._yielded += 1
+        if self._batches is not None and len(self._ready.delivered) >= self._batches:
+            # Every batch is delivered: the epoch ran to its end even if nothing asks for the
+            # StopIteration (Lightning stops after len(loader) batches), so the workers stay.
+            self._state["exhausted"] = True
         loader._delivered(item.samples, waited)
         _warn_iterable_length(loader, self._yielded, self._len_called)
         return batch
 
     def __next__(self):
+        with profiled(WAITING):
+            return self._next()
+
+    def _next(self):
+        if self._ready is None and not self._done:
+            self._start()
         while True:
             item, waited = self._take()
             try:
@@ -155,15 +178,22 @@ class _Iterator:
                 await self._wait_async(started)
 
     async def __anext__(self):
-        item, waited = await self._take_async()
-        if item is _END:
-            raise StopAsyncIteration
-        try:
-            if isinstance(item, Ready) and item.raw is not None:
-                return await anyio.to_thread.run_sync(self._finish, item, waited)
-            return self._finish(item, waited)
-        except _AllSkipped:
-            return await self.__anext__()
+        with profiled(WAITING_ASYNC):
+            return await self._anext()
+
+    async def _anext(self):
+        if self._ready is None and not self._done:
+            self._start()
+        while True:
+            item, waited = await self._take_async()
+            if item is _END:
+                raise StopAsyncIteration
+            try:
+                if isinstance(item, Ready) and item.raw is not None:
+                    return await anyio.to_thread.run_sync(self._finish, item, waited)
+                return self._finish(item, waited)
+            except _AllSkipped:
+                continue
 
     def close(self) -> None:
         """Stop this epoch early (what ``break`` does once the iterator is dropped)."""
