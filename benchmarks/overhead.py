@@ -173,7 +173,7 @@ def measure(make_loader, limit: int | None = None) -> Run:
             before = clocks0.get(ident)
             threads[_group(name)] += now - (before[1] if before and before[0] == name else 0.0)
         threads["consumer"] = threads.get("consumer", 0.0) - probing
-        # threads that ended between two batches, and any not started from Python
+        # threads that ended between two readings, and work after the last batch's reading
         threads["unattributed"] = cpu - sum(threads.values())
     finally:
         close = getattr(loader, "close", None)
@@ -590,14 +590,14 @@ def print_profile(result: dict, args) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("case", choices=["split", "interference", "profile"])
-    parser.add_argument("--images", type=int, default=1024)
+    parser.add_argument("--images", type=int, default=768)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--io-concurrency", type=int, default=64)
     parser.add_argument("--latencies", default="0,20,50", help="split: HTTP latencies in ms, comma-separated "
                                                                "('' for none)")
-    parser.add_argument("--http-images", type=int, default=512, help="split: images per HTTP epoch")
+    parser.add_argument("--http-images", type=int, default=256, help="split: images per HTTP epoch")
     parser.add_argument("--latency", type=float, default=20.0,
                         help="interference and profile --row http: the HTTP latency in ms")
     parser.add_argument("--no-http", action="store_true", help="interference: leave out the HTTP row")
