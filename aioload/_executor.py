@@ -55,6 +55,7 @@ an executor logs failed tasks)."""
 
 # -- in the executor's process ------------------------------------------------------------------
 _known: collections.OrderedDict[str, tuple] = collections.OrderedDict()
+_forgotten: collections.deque = collections.deque(maxlen=256)  # closed loaders: never kept again
 _known_lock = threading.Lock()
 
 
@@ -64,6 +65,8 @@ def _dataset_for(token: str, blob: bytes | None, local: tuple | None):
         if found is not None:
             _known.move_to_end(token)
             return found
+        if token in _forgotten:  # a task of a closed loader, still running when it closed
+            return None
         if local is not None:
             found = local
         elif blob is not None:
@@ -79,6 +82,8 @@ def _dataset_for(token: str, blob: bytes | None, local: tuple | None):
 def forget(token: str) -> bool:
     """Drop a loader's dataset from this process; whether it was there."""
     with _known_lock:
+        if token not in _forgotten:
+            _forgotten.append(token)
         return _known.pop(token, None) is not None
 
 

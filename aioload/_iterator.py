@@ -53,7 +53,7 @@ class _Iterator:
         loader = self._loader
         self._len_called = _len_called(loader)
         self._timeout = loader.timeout or None
-        self._batches = None if loader._iterable else len(loader)
+        self._batches = None if loader._iterable else _len_or_none(loader)
         self._engine, self._ready, self._transfer = loader._start_engine(self._state)
         self._finalizer = weakref.finalize(
             self, _abandon_epoch, self._engine, loader._res, self._state, loader.persistent_workers
@@ -262,3 +262,11 @@ def _async_waker():
             pass  # the consumer's loop is closed
 
     return event, wake
+
+
+def _len_or_none(loader) -> int | None:
+    """The epoch's batches, or ``None`` where the sampler has no ``len()``."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
