@@ -31,7 +31,7 @@ for threads, the decode itself), the bytes an executor sends back per batch
 (``stats().executor_bytes / executor_tasks``) and a task's round trip p50
 (``stats().task_p50_ms``). Rounds are interleaved and medians printed.
 
-Run (the default: a few minutes on 2 vCPUs; ``--quick``: well under a minute)::
+Run (the default: about 4 minutes on 2 shared vCPUs; ``--quick``: about a minute)::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/executor.py
     PYTHONPATH=$PWD .venv/bin/python benchmarks/executor.py --quick
