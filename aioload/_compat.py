@@ -67,7 +67,7 @@ def _warn_as_torch_iterator(loader: DataLoader) -> None:
     if loader._iterated and loader.persistent_workers:
         return
     loader._iterated = True
-    if loader.num_workers > 0:
+    if loader.num_workers > 0 and loader.executor is None:  # with executor=, batches in flight, not processes
         loader._torch.check_worker_number_rationality()
     if not loader.pin_memory:
         return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import inspect
+import warnings
 import weakref
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -148,12 +149,15 @@ class DataLoader(Generic[_T_co]):
         if self._decode_on is not None and collate_fn is None:
             collate_fn = _gpudecode.collate_encoded
         # torch's own constructor validates every torch argument and builds the samplers.
-        self._torch = _TorchDataLoader(
-            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, False,
-            drop_last, timeout, worker_init_fn, multiprocessing_context,
-            generator if seed is None else self._seed_generator,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, **extra,
-        )
+        with warnings.catch_warnings():
+            if executor is not None:  # num_workers counts batches in flight there, not processes here
+                warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+            self._torch = _TorchDataLoader(
+                dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, False,
+                drop_last, timeout, worker_init_fn, multiprocessing_context,
+                generator if seed is None else self._seed_generator,
+                prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, **extra,
+            )
         check_knob("io_concurrency", io_concurrency)
         check_knob("queue_depth", queue_depth)
         if not is_auto(io_concurrency):
