@@ -16,7 +16,10 @@ import torch
 import torch.distributed as dist
 
 import aioload
-from dist_ranks import Indices  # run as a script: tests/ is on sys.path
+try:
+    from tests.dist_ranks import Indices
+except ImportError:  # run as a script: tests/ itself is on sys.path
+    from dist_ranks import Indices
 
 EPOCHS = 2
 
