@@ -1,7 +1,7 @@
 """Train on images read over HTTP: a list of URLs, retries, and a cache for later epochs.
 
     python examples/remote_images.py                      # a few steps
-    python examples/remote_images.py --steps 40 --cache disk --cache-dir /tmp/aioload-cache
+    python examples/remote_images.py --steps 40 --cache disk --cache-dir ~/.cache/aioload-remote
 
 The script serves the embedded synthetic image folder with Python's own HTTP server on
 127.0.0.1 (in a child process, standing in for a remote web server or object store; it ends
