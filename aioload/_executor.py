@@ -421,6 +421,15 @@ class ExecutorStage:
                 client.run(forget, self.token)
             except Exception:  # noqa: BLE001 - a cluster already gone holds nothing of ours
                 pass
+        elif isinstance(self.executor, concurrent.futures.ProcessPoolExecutor):
+            # A process pool cannot be asked to run something in each of its processes: one
+            # task per process, not waited for, reaches most of them; the rest keep the dataset
+            # until KEEP_DATASETS later loaders push it out.
+            for _ in range(int(getattr(self.executor, "_max_workers", 1) or 1)):
+                try:
+                    self.executor.submit(forget, self.token)
+                except RuntimeError:  # the pool is shut down: its processes are gone
+                    break
 
 
 def _wake(loop: asyncio.AbstractEventLoop, done: asyncio.Future, _future) -> None:
