@@ -1,0 +1,75 @@
+"""Hugging Face Accelerate over aioload loaders under ``torchrun --nproc-per-node 2`` (gloo on
+127.0.0.1), through ``aioload.integrations.accelerate``.
+
+The runs are tests/frameworks/accelerate_run.py; each rank writes what its training loop saw
+(indices, ``sync_gradients``, ``end_of_dataloader``, gathered values) to a file.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.frameworks.launch import LAUNCH_TIMEOUT, torchrun
+
+pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+
+SAMPLES = 40
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("accelerate")
+    torchrun("accelerate_run.py", [str(out)])
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def flat(steps: list) -> list[int]:
+    return [i for step in steps for i in (step["indices"] if isinstance(step, dict) else step)]
+
+
+@pytest.mark.parametrize("built", ["before", "after"])
+def test_ranks_see_disjoint_halves_whether_built_before_or_after_the_accelerator(ranks, built):
+    a, b = (flat(rank[built]) for rank in ranks)
+    assert len(a) == len(b) == SAMPLES // 2
+    assert sorted(a + b) == list(range(SAMPLES))
+
+
+def test_accumulation_steps_the_optimiser_at_the_end_of_every_epoch(ranks):
+    # 5 batches an epoch and rank, 3 accumulation steps: the 5th batch syncs too.
+    epoch = [False, False, True, False, True]
+    for rank in ranks:
+        steps = rank["accumulate"]
+        assert [s["sync"] for s in steps] == epoch * 2
+        assert [s["end"] for s in steps] == [False, False, False, False, True] * 2
+        # A loader given to nothing but accelerator.prepare() (which hands it back unchanged)
+        # leaves Accelerate blind to the epoch's end: the last two batches never step.
+        assert [s["sync"] for s in rank["accumulate/bare"]] == [False, False, True, False, False]
+        assert rank["prepare_returns_it"] is True
+
+
+def test_gather_for_metrics_drops_the_repeated_sample_of_the_padded_shards(ranks):
+    # 37 samples: 19 per rank, one of rank 1's repeats a sample of rank 0's.
+    for rank in ranks:
+        assert sorted(rank["gather"]) == list(range(37))
+    assert ranks[0]["gather"] == ranks[1]["gather"]
+
+
+def test_skip_first_batches_skips_within_the_epoch_and_keeps_the_epoch_end(ranks):
+    for rank in ranks:
+        whole_epoch = rank["accumulate"][:5]  # the same loader's epoch 0, not skipped
+        skipped, following = rank["skip"]["skipped"], rank["skip"]["next"]
+        assert [s["indices"] for s in skipped] == [s["indices"] for s in whole_epoch[2:]]
+        assert [s["end"] for s in skipped] == [False, False, True]
+        assert skipped[-1]["sync"] is True
+        assert [s["indices"] for s in following] == [s["indices"] for s in rank["accumulate"][5:]]
+
+
+def test_save_state_and_load_state_resume_every_rank_exactly(ranks):
+    for rank in ranks:
+        full, first, rest = rank["resume/full"], rank["resume/first"], rank["resume/rest"]
+        assert len(full) == 12 and len(first) == 7  # stopped 2 batches into the second epoch
+        assert [s["indices"] for s in first + rest] == [s["indices"] for s in full]
+        assert [s["end"] for s in rest] == [False, False, True, False, False]
+    assert flat(ranks[0]["resume/full"]) != flat(ranks[1]["resume/full"])
