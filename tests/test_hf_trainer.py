@@ -1,0 +1,27 @@
+"""Hugging Face ``transformers.Trainer`` over an aioload loader (the recipe in
+docs/integrations.md): ``get_train_dataloader`` returns the loader, a callback saves its state
+into each checkpoint, and ``train(resume_from_checkpoint=...)`` goes on exactly where it stopped.
+
+The run is tests/frameworks/hf_trainer_run.py, in a process of its own.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.frameworks.launch import LAUNCH_TIMEOUT, SCRIPTS, run
+
+pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+
+
+def test_trainer_resumes_the_loader_from_its_checkpoint(tmp_path):
+    run([str(SCRIPTS / "hf_trainer_run.py"), str(tmp_path)])
+    result = json.loads((tmp_path / "result.json").read_text())
+    full = result["full"]
+    assert len(full) == 12 and len(result["first"]) == 7  # 10 steps an epoch: stopped mid-epoch
+    assert sorted(i for batch in full[:10] for i in batch) == list(range(40))
+    assert full[10:] != full[:2]  # the second epoch is reshuffled
+    assert result["first"] + result["rest"] == full
+    assert (tmp_path / "first" / "checkpoint-7" / "aioload_loader.pt").is_file()
