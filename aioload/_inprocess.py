@@ -37,17 +37,27 @@ class _InProcessIterator:
     """``num_workers=0`` with a plain dataset: torch's single-process loading, in the caller's
     thread (no engine, no event loop)."""
 
-    def __init__(self, loader: DataLoader, plan: Plan):
+    def __init__(self, loader: DataLoader):
         self._loader = loader
-        self._plan = plan
-        self._budget = budget_for(loader)
-        loader._current_base = plan.base_seed
-        self._batches = plan.batches
-        self._data_iter = iter(loader.dataset) if loader._iterable else None
+        self._plan: Plan | None = None  # set, with what follows, by the first next()
+        self._budget = None
+        self._batches = None
+        self._data_iter = None
         self._data_ended = False  # as torch's fetcher: an iterator that ran out is not asked again
         self._yielded = 0
-        self._len_called = _len_called(loader)
+        self._len_called: int | None = None
         self._ended = False
+
+    def _start(self) -> None:
+        """The epoch starts at the first ``next()``: an iterator made and dropped (a framework
+        probing the loader) draws no seed, consumes no sampler and counts no epoch."""
+        loader = self._loader
+        self._len_called = _len_called(loader)
+        self._plan = loader._start_in_process()
+        self._budget = budget_for(loader)
+        loader._current_base = self._plan.base_seed
+        self._batches = self._plan.batches
+        self._data_iter = iter(loader.dataset) if loader._iterable else None
 
     def __iter__(self):
         return self
@@ -98,6 +108,8 @@ class _InProcessIterator:
     def __next__(self):
         if self._ended:
             raise StopIteration
+        if self._plan is None:
+            self._start()
         started = time.perf_counter()
         try:
             batch = self._fetch()

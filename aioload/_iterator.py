@@ -32,18 +32,27 @@ class _NotYet(Exception):
 class _Iterator:
     """One epoch, as seen by the training loop (``for`` or ``async for``)."""
 
-    def __init__(self, loader: DataLoader, engine: Engine, ready: ReadyQueue, transfer):
+    def __init__(self, loader: DataLoader):
         self._loader = loader
-        self._engine = engine
-        self._ready = ready
-        self._transfer = transfer
-        self._timeout = loader.timeout or None
+        self._engine: Engine | None = None  # set, with what follows, by the first next()
+        self._ready: ReadyQueue | None = None
+        self._transfer = None
+        self._timeout: float | None = None
         self._done = False
         self._yielded = 0
-        self._len_called = _len_called(loader)
+        self._len_called: int | None = None
         self._state = {"exhausted": False}
+        self._finalizer: weakref.finalize | None = None
+
+    def _start(self) -> None:
+        """The epoch starts at the first ``next()``, not at ``iter()``: frameworks make an
+        iterator to probe a loader and drop it, and that must start no process or thread."""
+        loader = self._loader
+        self._len_called = _len_called(loader)
+        self._timeout = loader.timeout or None
+        self._engine, self._ready, self._transfer = loader._start_engine(self._state)
         self._finalizer = weakref.finalize(
-            self, _abandon_epoch, engine, loader._res, self._state, loader.persistent_workers
+            self, _abandon_epoch, self._engine, loader._res, self._state, loader.persistent_workers
         )
 
     def __iter__(self) -> "_Iterator":
@@ -55,7 +64,8 @@ class _Iterator:
     def _end(self, exhausted: bool = False) -> None:
         self._done = True
         self._state["exhausted"] = exhausted
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
 
     def _take(self, get=None, started: float | None = None):
         """Block until the next item (or, with ``get``, take it without blocking); returns
@@ -110,6 +120,8 @@ class _Iterator:
         return batch
 
     def __next__(self):
+        if self._ready is None and not self._done:
+            self._start()
         while True:
             item, waited = self._take()
             try:
@@ -152,6 +164,8 @@ class _Iterator:
                 await self._wait_async(started)
 
     async def __anext__(self):
+        if self._ready is None and not self._done:
+            self._start()
         item, waited = await self._take_async()
         if item is _END:
             raise StopAsyncIteration

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import torch
@@ -39,7 +39,24 @@ from aioload._tune import check_knob, is_auto, make_tuner
 from aioload._worker import WorkerConfig, _batched_fetch
 
 _TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(torch.utils.data.DataLoader.__init__).parameters
+# What torch's DataLoader.__setattr__ refuses once the loader is built (its samplers were made
+# from these); every other attribute of torch's loader may be assigned, and so it may here.
 _FROZEN = frozenset({"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"})
+
+
+class _PoolSettings(NamedTuple):
+    """The assignable attributes a worker pool is started with."""
+
+    num_workers: int
+    collate_fn: Any
+    worker_init_fn: Any
+    multiprocessing_context: Any
+
+
+def _torch_attribute(name: str) -> property:
+    """An attribute kept on the torch loader aioload builds, so an assignment is validated (and
+    stored) exactly as torch's loader does it (``multiprocessing_context`` checks its value)."""
+    return property(lambda self: getattr(self._torch, name), lambda self, value: setattr(self._torch, name, value))
 
 
 def _positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -153,6 +170,7 @@ class DataLoader:
         if log_every is not None or progress:
             self._monitor = Monitor(_weak_stats(self), log_every, progress)
         self._res = _Resources()
+        self._pool_settings: _PoolSettings | None = None  # what the running pool was started with
         self._device = _device.resolve_device(device)
         self._pin = (pin_memory or self._device is not None) and _device.pin_available()
         self._iterated = False  # torch warns about pinning and worker counts per iterator it makes
@@ -168,20 +186,34 @@ class DataLoader:
         if name in _FROZEN and self.__dict__.get("_initialized"):
             raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is initialized")
         super().__setattr__(name, value)
+        if name == "pin_memory" and self.__dict__.get("_initialized"):
+            self._pin = (value or self._device is not None) and _device.pin_available()
 
     batch_size = property(lambda self: self._torch.batch_size)
     drop_last = property(lambda self: self._torch.drop_last)
     sampler = property(lambda self: self._torch.sampler)
     batch_sampler = property(lambda self: self._torch.batch_sampler)
-    num_workers = property(lambda self: self._torch.num_workers)
-    collate_fn = property(lambda self: self._torch.collate_fn)
-    timeout = property(lambda self: self._torch.timeout)
-    worker_init_fn = property(lambda self: self._torch.worker_init_fn)
-    multiprocessing_context = property(lambda self: self._torch.multiprocessing_context)
-    generator = property(lambda self: self._user_generator)
-    prefetch_factor = property(lambda self: self._torch.prefetch_factor)
     persistent_workers = property(lambda self: self._torch.persistent_workers)
-    pin_memory_device = property(lambda self: getattr(self._torch, "pin_memory_device", ""))
+    # Assignable, as on torch's loader. The worker settings apply to the next worker pool: see
+    # _settings() and docs/migration.md.
+    num_workers = _torch_attribute("num_workers")
+    collate_fn = _torch_attribute("collate_fn")
+    timeout = _torch_attribute("timeout")
+    worker_init_fn = _torch_attribute("worker_init_fn")
+    multiprocessing_context = _torch_attribute("multiprocessing_context")
+    prefetch_factor = _torch_attribute("prefetch_factor")
+    pin_memory_device = property(lambda self: getattr(self._torch, "pin_memory_device", ""),
+                                 lambda self, value: setattr(self._torch, "pin_memory_device", value))
+
+    @property
+    def generator(self):
+        return self._user_generator
+
+    @generator.setter
+    def generator(self, value) -> None:
+        if self.seed is not None:
+            raise ValueError("pass either seed or generator, not both: seed=S makes aioload seed a generator per epoch")
+        self._user_generator = self._torch.generator = value
 
     def __len__(self) -> int:
         return len(self._torch)
@@ -285,17 +317,30 @@ class DataLoader:
         plan, self._progress = self._planner.plan(epoch, resume, per_sample, lazy=lazy)
         return plan
 
-    def _spec(self) -> Spec:
+    def _settings(self) -> _PoolSettings:
+        """The worker settings this epoch runs with. As in torch, every epoch takes the loader's
+        current values (a pool started with others is replaced), except that persistent workers
+        already running keep the values they were started with (torch reuses its iterator)."""
         t = self._torch
-        if self.num_workers == 0:
+        now = _PoolSettings(t.num_workers, t.collate_fn, t.worker_init_fn, t.multiprocessing_context)
+        pool = self._res.pool
+        if pool is not None and self._pool_settings is not None and now != self._pool_settings:
+            if self.persistent_workers and now.num_workers > 0 and pool.alive():
+                return self._pool_settings
+            self._res.discard_pool()
+        return now
+
+    def _spec(self, settings: _PoolSettings) -> Spec:
+        t = self._torch
+        if settings.num_workers == 0:
             mode = "read"
         elif self._iterable:
             mode = "iter"
-        elif t._auto_collation and t.collate_fn is default_collate:
+        elif t._auto_collation and settings.collate_fn is default_collate:
             mode = "rows"
         else:
             mode = "whole"
-        workers = max(1, self.num_workers)
+        workers = max(1, settings.num_workers)
         batch = t.batch_size or 1
         io, depth = self._limits()
         return Spec(
@@ -308,10 +353,10 @@ class DataLoader:
             describe=getattr(self.dataset, "describe", None), tuner=self._tuner,
             read_timeout=self.read_timeout, max_errors=self.max_errors, epoch_samples=epoch_samples(t),
             auto_collation=t._auto_collation,
-            batched_fetch=self.num_workers > 0 and not self._split and self.seed is None and _batched_fetch(self.dataset),
+            batched_fetch=settings.num_workers > 0 and not self._split and self.seed is None and _batched_fetch(self.dataset),
         )
 
-    def _pool(self, base_seed: int) -> WorkerPool:
+    def _pool(self, base_seed: int, settings: _PoolSettings) -> WorkerPool:
         """The worker pool; a new one starts with the epoch's base seed, as torch's workers do
         (drawing another would move the generator off the order a resumed run replays)."""
         res = self._res
@@ -319,45 +364,65 @@ class DataLoader:
             res.discard_pool()
         if res.pool is None and res.lost is not None:
             logger.warning("starting a fresh pool of %d workers; the last one was lost: %s",
-                           self.num_workers, res.lost)
+                           settings.num_workers, res.lost)
             res.lost = None
             res.restarts += 1
         if res.pool is None:
             t = self._torch
             cfg = WorkerConfig(
-                dataset=self.dataset, num_workers=self.num_workers, split=self._split,
-                iterable=self._iterable, auto_collation=t._auto_collation, collate_fn=t.collate_fn,
-                batch_size=t.batch_size, drop_last=t.drop_last, worker_init_fn=t.worker_init_fn,
+                dataset=self.dataset, num_workers=settings.num_workers, split=self._split,
+                iterable=self._iterable, auto_collation=t._auto_collation, collate_fn=settings.collate_fn,
+                batch_size=t.batch_size, drop_last=t.drop_last, worker_init_fn=settings.worker_init_fn,
                 base_seed=base_seed if self.seed is None else derive_seed(self.seed, 2**31),
                 exact_seeds=self.seed is not None,
                 keep_rng=self.persistent_workers and self.seed is None,
             )
-            res.pool = WorkerPool(cfg, self.num_workers, choose_context(t.multiprocessing_context))
-            res.workers = self.num_workers
+            res.pool = WorkerPool(cfg, settings.num_workers, choose_context(settings.multiprocessing_context))
+            res.workers = settings.num_workers
+            self._pool_settings = settings
         return res.pool
 
     def __iter__(self) -> "_Iterator | _InProcessIterator":
+        """An iterator over the next epoch. Making it starts nothing: the epoch (its plan, the
+        workers, the engine) starts at its first ``next()``, so an iterator made to probe the
+        loader and dropped costs nothing and leaves the epoch count as it was."""
+        if self._res.closed:
+            raise LoaderClosedError("this DataLoader was closed; create a new one to iterate again")
+        _warn_as_torch_iterator(self)
+        if self.num_workers == 0 and not self._split:
+            return _InProcessIterator(self)
+        return _Iterator(self)
+
+    def _begin_epoch(self) -> _PoolSettings:
+        """An iterator starts: the epoch in progress, if any, ends (one epoch at a time)."""
         if self._res.closed:
             raise LoaderClosedError("this DataLoader was closed; create a new one to iterate again")
         if self._res.epoch_state is not None:
             self._res.epoch_state["superseded"] = True
         self._res.stop_engine()
-        _warn_as_torch_iterator(self)
         self._epoch_begins(self._next_epoch)
-        if self.num_workers == 0 and not self._split:
-            return _InProcessIterator(self, self._plan())
+        return self._settings()
+
+    def _start_in_process(self) -> Plan:
+        """The first ``next()`` of an in-process iterator: the epoch's plan."""
+        self._begin_epoch()
+        return self._plan()
+
+    def _start_engine(self, state: dict) -> tuple[Engine, ReadyQueue, Any]:
+        """The first ``next()`` of an iterator fed by the engine: the epoch's plan, the worker
+        pool (kept from the last epoch or started now) and the engine's thread."""
+        settings = self._begin_epoch()
         plan = self._plan()
         self._current_base = plan.base_seed
-        pool = self._pool(plan.base_seed) if self.num_workers > 0 else None
-        spec = self._spec()
+        pool = self._pool(plan.base_seed, settings) if settings.num_workers > 0 else None
+        spec = self._spec(settings)
         ready = ReadyQueue(self.in_order, plan.delivered)
         transfer = _device.Transfer(self._device) if self._device is not None else None
         engine = Engine(spec, plan, pool, self._res.shared, ready, self._stats, transfer)
         engine.start()
         self._res.engine = engine
-        iterator = _Iterator(self, engine, ready, transfer)
-        self._res.epoch_state = iterator._state
-        return iterator
+        self._res.epoch_state = state
+        return engine, ready, transfer
 
     def __aiter__(self) -> "_Iterator | _InProcessIterator":
         return self.__iter__()

@@ -1,0 +1,245 @@
+"""What torch's DataLoader lets code do with a loader, which frameworks rely on: assigning its
+attributes, probing it with ``iter()``, subscripting the class, swapping it in for torch's,
+seeing it in ``torch.profiler`` traces."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import multiprocessing
+import threading
+
+import pytest
+import torch
+
+import aioload
+from tests.datasets import SlowReads, Squares
+
+_TAG = None  # set by _tag_worker in a worker process
+
+
+def _tag_worker(worker_id: int, tag: str = "init") -> None:
+    global _TAG
+    _TAG = tag  # not the worker's id: which worker loads which batch is not compared here
+
+
+class Tagged(torch.utils.data.Dataset):
+    """Each sample is its index and what ``worker_init_fn`` left in the worker that loaded it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int):
+        return index, str(_TAG)
+
+
+def _mine(batch):
+    return ("mine", [index for index, _ in batch])
+
+
+# ------------------------------------------------------------------- assignable attributes
+
+
+def _assignments():
+    """A valid value for every public attribute of torch's loader (and one invalid value for
+    the attribute torch validates)."""
+    return [
+        ("batch_size", 4), ("drop_last", True), ("dataset", Tagged()), ("persistent_workers", False),
+        ("sampler", torch.utils.data.SequentialSampler(range(8))), ("batch_sampler", None),
+        ("num_workers", 1), ("collate_fn", _mine), ("timeout", 3), ("worker_init_fn", _tag_worker),
+        ("multiprocessing_context", "spawn"), ("multiprocessing_context", "no-such-method"),
+        ("generator", torch.Generator()), ("prefetch_factor", 4), ("pin_memory", True),
+        ("pin_memory_device", ""), ("in_order", False), ("a_new_attribute", 1),
+    ]
+
+
+def _assign(loader, name, value) -> str:
+    try:
+        setattr(loader, name, value)
+    except Exception as exc:  # noqa: BLE001 -- the outcome is compared with torch's
+        return f"{type(exc).__name__}: {str(exc).replace(type(loader).__name__, 'DataLoader')}"
+    read = getattr(loader, name)
+    same = read is value or (name == "multiprocessing_context" and read is multiprocessing.get_context(value))
+    return "assigned" if same else f"assigned, reads back {read!r}"
+
+
+def test_attributes_assign_as_on_torch():
+    """Each attribute torch's loader lets code assign after construction is assignable, and
+    each it refuses raises torch's error: the oracle is torch's loader itself."""
+    public = {n for n in vars(torch.utils.data.DataLoader(Tagged(), num_workers=2)) if not n.startswith("_")}
+    public.add("multiprocessing_context")  # a property on torch's class
+    assert public <= {name for name, _ in _assignments()}, "a new attribute of torch's DataLoader"
+    for name, value in _assignments():
+        torch_loader = torch.utils.data.DataLoader(Tagged(), batch_size=2, num_workers=2)
+        expected = _assign(torch_loader, name, value)
+        with aioload.DataLoader(Tagged(), batch_size=2, num_workers=2) as loader:
+            assert _assign(loader, name, value) == expected, name
+
+
+def _plain(value):
+    """A batch as plain lists, to compare with ``==``."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _epochs(loader_cls, persistent: bool, change) -> list:
+    """Two epochs, with ``change(loader)`` applied between them."""
+    loader = loader_cls(Tagged(), batch_size=4, num_workers=2, persistent_workers=persistent)
+    try:
+        first = _plain(list(loader))
+        change(loader)
+        return [first, _plain(list(loader))]
+    finally:
+        getattr(loader, "close", lambda: None)()
+
+
+_CHANGES = {
+    "worker_init_fn": lambda loader: setattr(loader, "worker_init_fn", functools.partial(_tag_worker, tag="new")),
+    "collate_fn": lambda loader: setattr(loader, "collate_fn", _mine),
+    "num_workers": lambda loader: setattr(loader, "num_workers", 1),
+}
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])
+@pytest.mark.parametrize("change", sorted(_CHANGES))
+def test_assigned_worker_settings_apply_as_in_torch(change, persistent):
+    """A new value applies to the next pool of workers: every epoch after the change without
+    persistent workers; persistent workers already running keep what they started with."""
+    expected = _epochs(torch.utils.data.DataLoader, persistent, _CHANGES[change])
+    assert _epochs(aioload.DataLoader, persistent, _CHANGES[change]) == expected
+
+
+# Lightning 2.6 on torch >= 2.10 warns about its own use of torch's pytree API.
+_LIGHTNING_OWN = "ignore:.isinstance.treespec, LeafSpec.. is deprecated:FutureWarning"
+
+
+@pytest.mark.filterwarnings(_LIGHTNING_OWN)
+def test_seed_everything_workers_sets_worker_init_fn():
+    """``lightning.seed_everything(workers=True)`` makes the Trainer assign the loader's
+    ``worker_init_fn``; training then runs with Lightning's seeding in the workers."""
+    lightning = pytest.importorskip("lightning")
+    from lightning.fabric.utilities.seed import pl_worker_init_function
+
+    class Model(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+            self.seen: list[int] = []
+
+        def training_step(self, batch, batch_idx):
+            index, _ = batch
+            self.seen.extend(index.tolist())
+            return self.layer(index.float().unsqueeze(1)).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    lightning.seed_everything(7, workers=True, verbose=False)
+    model = Model()
+    with aioload.DataLoader(Tagged(), batch_size=4, num_workers=2) as loader:
+        trainer = lightning.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                                    enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False, log_every_n_steps=1)
+        trainer.fit(model, train_dataloaders=loader)
+        assert loader.worker_init_fn.func is pl_worker_init_function
+    assert sorted(model.seen) == list(range(8))
+
+
+# ------------------------------------------------------------------- iter() as a probe
+
+
+def _running() -> tuple[set, set]:
+    """This process's threads and child processes."""
+    return set(threading.enumerate()), {p.pid for p in multiprocessing.active_children()}
+
+
+def _labels(loader) -> list[list[int]]:
+    return [batch[1].tolist() for batch in loader]
+
+
+_PROBED = [(Squares, 0), (Squares, 2), (SlowReads, 0), (SlowReads, 2)]
+
+
+def _ids(case) -> str:
+    return f"{case[0].__name__}-{case[1]}w"
+
+
+@pytest.mark.parametrize("case", _PROBED, ids=_ids)
+def test_an_iterator_never_advanced_starts_nothing(case):
+    """What Lightning does with a loader it does not know: ``iter()`` once to check it, then
+    drop the iterator. That starts no thread or process, draws nothing from torch's RNG,
+    counts no epoch; the next epoch is the one it would have been without the probe."""
+    dataset_cls, workers = case
+    torch.manual_seed(3)
+    with aioload.DataLoader(dataset_cls(20), batch_size=4, shuffle=True, num_workers=workers) as loader:
+        reference = [_labels(loader), _labels(loader)]
+    torch.manual_seed(3)
+    with aioload.DataLoader(dataset_cls(20), batch_size=4, shuffle=True, num_workers=workers) as loader:
+        before, rng, state = _running(), torch.get_rng_state(), loader.state_dict()
+        probe = iter(loader)
+        assert _running() == before
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert loader.state_dict() == state
+        del probe
+        gc.collect()
+        assert [_labels(loader), _labels(loader)] == reference
+
+
+def test_an_async_iterator_never_advanced_starts_nothing():
+    async def main():
+        with aioload.DataLoader(SlowReads(12), batch_size=4, num_workers=2) as loader:
+            before = _running()
+            probe = aiter(loader)
+            assert _running() == before
+            del probe
+            return [batch[1].tolist() async for batch in loader]
+
+    assert asyncio.run(main()) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterator_takes_its_epoch_when_it_starts(workers):
+    """``set_epoch`` between ``iter()`` and the first ``next()`` applies to that iterator,
+    as a ``DistributedSampler``'s does in torch (its order is drawn at the first ``next()``)."""
+    with aioload.DataLoader(Squares(20), batch_size=4, shuffle=True, seed=1, num_workers=workers) as loader:
+        loader.set_epoch(2)
+        reference = _labels(loader)
+    with aioload.DataLoader(Squares(20), batch_size=4, shuffle=True, seed=1, num_workers=workers) as loader:
+        it = iter(loader)
+        loader.set_epoch(2)
+        assert [batch[1].tolist() for batch in it] == reference
+        assert loader.state_dict()["epoch"] == 3
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_probe_leaves_the_running_epoch_alone(workers):
+    """A probe made while an epoch runs does not end it; an iterator that starts does."""
+    with aioload.DataLoader(Squares(12), batch_size=4, num_workers=workers) as loader:
+        it = iter(loader)
+        first = next(it)[1].tolist()
+        probe = iter(loader)
+        assert [first] + [batch[1].tolist() for batch in it] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        assert [batch[1].tolist() for batch in probe] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_a_closed_probe_never_starts():
+    with aioload.DataLoader(Squares(8), batch_size=4, num_workers=2) as loader:
+        before = _running()
+        probe = iter(loader)
+        assert _running() == before
+        probe.close()
+        assert list(probe) == []
+        assert _running() == before
+        assert _labels(loader) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_a_probe_of_a_closed_loader_raises_when_it_starts():
+    loader = aioload.DataLoader(Squares(8), batch_size=4, num_workers=2)
+    probe = iter(loader)
+    loader.close()
+    with pytest.raises(aioload.LoaderClosedError, match="^this DataLoader was closed; create a new one to iterate again$"):
+        next(probe)
