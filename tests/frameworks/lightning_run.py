@@ -11,7 +11,8 @@ Each rank writes ``OUT/rank<r>.json``: ``{case: [[index, ...] per training step]
 * ``resume/full``: 12 steps (5 batches an epoch and rank) without a stop;
   ``resume/first``: the same run stopped at step 7, mid-epoch, by a checkpoint there;
   ``resume/rest``: a new model, data module and loader, ``fit(ckpt_path=...)`` to step 12.
-  Each run starts from ``seed_everything(0, workers=True)``, as a fresh process would.
+  Each run starts from ``seed_everything(0, workers=True)``, as a fresh process would, and
+  its loader has ``seed=0``.
 
 The recipe in docs/integrations.md is the ``Data`` class below: build the loader wherever you
 like; return it from ``train_dataloader()``.
@@ -47,22 +48,22 @@ class Indices(aioload.Dataset):
         return raw
 
 
-def make_loader(workers: int) -> aioload.DataLoader:
-    return aioload.DataLoader(Indices(), batch_size=BATCH, shuffle=True, num_workers=workers)
+def make_loader(workers: int, seed: int | None) -> aioload.DataLoader:
+    return aioload.DataLoader(Indices(), batch_size=BATCH, shuffle=True, num_workers=workers, seed=seed)
 
 
 class Data(L.LightningDataModule):
     """The loader may be built here, before ``torch.distributed`` is initialised: aioload
     shards by rank when an epoch starts, not when the loader is built."""
 
-    def __init__(self, build_now: bool, workers: int):
+    def __init__(self, build_now: bool, workers: int, seed: int | None = None):
         super().__init__()
-        self.workers = workers
-        self.loader = make_loader(workers) if build_now else None
+        self.workers, self.seed = workers, seed
+        self.loader = make_loader(workers, seed) if build_now else None
 
     def train_dataloader(self) -> aioload.DataLoader:
         if self.loader is None:
-            self.loader = make_loader(self.workers)
+            self.loader = make_loader(self.workers, self.seed)
         return self.loader
 
 
@@ -133,7 +134,9 @@ def main() -> None:
             "rest": dict(max_steps=12, enable_checkpointing=False)}
     for name, kwargs in runs.items():
         L.seed_everything(0, workers=True)
-        data, model = Data(build_now=True, workers=args.workers), Model()
+        # seed=: the epochs after the resumed one are drawn from (seed, epoch), not from torch's
+        # global RNG, which Lightning does not checkpoint.
+        data, model = Data(build_now=True, workers=args.workers, seed=0), Model()
         fit = trainer(args, **kwargs)
         ckpt = os.path.join(ckpt_dir, "step7.ckpt") if name == "rest" else None
         fit.fit(model, data, ckpt_path=ckpt)
