@@ -19,9 +19,12 @@ pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
 def test_trainer_resumes_the_loader_from_its_checkpoint(tmp_path):
     run([str(SCRIPTS / "hf_trainer_run.py"), str(tmp_path)])
     result = json.loads((tmp_path / "result.json").read_text())
-    full = result["full"]
-    assert len(full) == 12 and len(result["first"]) == 7  # 10 steps an epoch: stopped mid-epoch
+    full, first, rest = (result[run]["seen"] for run in ("full", "first", "rest"))
+    assert len(full) == 12 and len(first) == 7  # 10 steps an epoch: stopped mid-epoch
     assert sorted(i for batch in full[:10] for i in batch) == list(range(40))
     assert full[10:] != full[:2]  # the second epoch is reshuffled
-    assert result["first"] + result["rest"] == full
+    assert first + rest == full
+    # Every batch came from the aioload loader: the Trainer's own skipping (without
+    # ignore_data_skip) would have loaded the rest of the resumed epoch with a torch DataLoader.
+    assert [result[run]["delivered"] for run in ("full", "first", "rest")] == [12, 7, 5]
     assert (tmp_path / "first" / "checkpoint-7" / "aioload_loader.pt").is_file()
