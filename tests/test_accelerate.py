@@ -73,3 +73,49 @@ def test_save_state_and_load_state_resume_every_rank_exactly(ranks):
         assert [s["indices"] for s in first + rest] == [s["indices"] for s in full]
         assert [s["end"] for s in rest] == [False, False, True, False, False]
     assert flat(ranks[0]["resume/full"]) != flat(ranks[1]["resume/full"])
+
+
+def gathered_last_batch(length: int, world: int, batch: int, drop_last: bool):
+    """The samples of an epoch split by torch's DistributedSampler (padded, not dropped) and
+    batched with ``drop_last``: those before the last batch gathered over the ranks, and that
+    batch (rank 0's part first, as ``gather`` puts it)."""
+    from torch.utils.data import BatchSampler, DistributedSampler
+
+    ranks = [list(BatchSampler(list(DistributedSampler(range(length), world, r, shuffle=False)), batch, drop_last))
+             for r in range(world)]
+    if not all(ranks):
+        return None, None  # drop_last left a rank without a batch
+    before = [i for r in ranks for b in r[:-1] for i in b]
+    return before, [i for r in ranks for i in r[-1]]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_remainder_cuts_exactly_the_repeats_where_a_cut_can(world):
+    from torch.utils.data import DistributedSampler
+
+    from aioload.integrations.accelerate import padded_remainder
+
+    for length in range(world, 4 * world + 9):
+        for batch in (1, 2, 3, 4):
+            for drop_last in (False, True):
+                sampler = DistributedSampler(range(length), world, 0, shuffle=False)
+                remainder = padded_remainder(length, world, batch, drop_last, sampler.num_samples, sampler.total_size)
+                before, last = gathered_last_batch(length, world, batch, drop_last)
+                if last is None:
+                    continue
+                cuts = [n for n in range(len(last) + 1) if len(set(before + last[:n])) == len(before) + n
+                        and set(before + last[:n]) == set(before + last)]
+                case = (length, batch, drop_last, remainder, last)
+                if remainder == -1:
+                    assert not cuts, case  # -1 only where no cut can drop the repeats
+                elif remainder == 0:
+                    assert len(last) in cuts, case  # nothing to drop: keep the whole batch
+                else:
+                    assert remainder in cuts, case
+
+
+def test_remainder_without_a_distributed_split_is_unknown():
+    from aioload.integrations.accelerate import padded_remainder
+
+    assert padded_remainder(37, 2, 4, False, 37, None) == -1  # a RandomSampler's num_samples
+    assert padded_remainder(37, 1, 4, False, None, None) == 0

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
 
-__all__ = ["PreparedLoader", "prepare", "skip_first_batches"]
+__all__ = ["PreparedLoader", "padded_remainder", "prepare", "skip_first_batches"]
 
 
 class PreparedLoader(DataLoaderStateMixin):
@@ -116,27 +116,35 @@ class PreparedLoader(DataLoaderStateMixin):
 
     def _padded_remainder(self) -> int:
         """What ``gather_for_metrics`` keeps of the last batch gathered over the ranks."""
-        world = self._num_processes
         sampler = getattr(self.loader, "sampler", None)
-        total_size, per_rank = getattr(sampler, "total_size", None), getattr(sampler, "num_samples", None)
         try:
             length = len(self.loader.dataset)
         except TypeError:
             return -1
-        if world == 1:
-            return 0  # nothing padded
-        if not isinstance(total_size, int) or not isinstance(per_rank, int) or total_size != per_rank * world:
-            return -1  # not sharded like DistributedSampler: where repeats are is unknown
-        padded = total_size - length
-        batch = self.loader.batch_size or 1
-        last = per_rank % batch or batch  # samples in each rank's last batch
-        if padded <= 0 or (self.loader.drop_last and per_rank % batch):
-            return 0  # no repeats, or they went with the dropped last batch
-        # The repeats are the last sample of ranks world-padded .. world-1: the tail of the
-        # gathered batch only if there is one of them or one sample per rank.
-        if padded == 1 or last == 1:
-            return world * last - padded
-        return -1
+        return padded_remainder(length, self._num_processes, self.loader.batch_size or 1, self.loader.drop_last,
+                                getattr(sampler, "num_samples", None), getattr(sampler, "total_size", None))
+
+
+def padded_remainder(length: int, world: int, batch_size: int, drop_last: bool,
+                     per_rank: int | None, total_size: int | None) -> int:
+    """Accelerate's ``remainder`` for an epoch split like ``DistributedSampler`` does: each of
+    ``world`` ranks takes ``per_rank`` of ``total_size`` positions, the last ``total_size -
+    length`` of which repeat the first samples. Accelerate keeps the first ``remainder`` items
+    of the last batch gathered over the ranks (0: all of them); ``-1`` where no such cut drops
+    exactly the repeats (or the split is not DistributedSampler's)."""
+    if world == 1:
+        return 0  # nothing padded
+    if not isinstance(total_size, int) or not isinstance(per_rank, int) or total_size != per_rank * world:
+        return -1  # not sharded like DistributedSampler: where repeats are is unknown
+    padded = total_size - length
+    last = per_rank % batch_size or batch_size  # samples in each rank's last batch
+    if padded <= 0 or (drop_last and per_rank % batch_size):
+        return 0  # no repeats, or they went with the dropped last batch
+    # The repeats are the last sample of ranks world-padded .. world-1: the tail of the
+    # gathered batch only if there is one of them or one sample per rank.
+    if padded == 1 or last == 1:
+        return world * last - padded
+    return -1
 
 
 def _length(loader) -> int | None:
