@@ -43,6 +43,10 @@ def test_accumulation_steps_the_optimiser_at_the_end_of_every_epoch(ranks):
         steps = rank["accumulate"]
         assert [s["sync"] for s in steps] == epoch * 2
         assert [s["end"] for s in steps] == [False, False, False, False, True] * 2
+        stream = rank["accumulate/iterable"]  # no len(): found by reading one batch ahead
+        assert [s["sync"] for s in stream] == epoch * 2
+        assert [s["end"] for s in stream] == [False, False, False, False, True] * 2
+        assert flat(stream) == list(range(20)) * 2
         # A loader given to nothing but accelerator.prepare() (which hands it back unchanged)
         # leaves Accelerate blind to the epoch's end: the last two batches never step.
         assert [s["sync"] for s in rank["accumulate/bare"]] == [False, False, True, False, False]

@@ -8,6 +8,7 @@ Each rank writes ``OUT/rank<r>.json`` with, per case, what its training loop saw
   process group yet) or after it;
 * ``accumulate``: two epochs of 5 batches with ``gradient_accumulation_steps=3`` under
   ``accelerator.accumulate(model)``: ``sync_gradients`` and ``end_of_dataloader`` per step;
+  ``accumulate/iterable``: the same over an ``IterableDataset`` of 5 batches (no ``len()``);
 * ``gather``: ``gather_for_metrics`` of every batch of an epoch of 37 samples (the shards are
   padded to 19 samples each with one repeat);
 * ``skip``: ``skip_first_batches(loader, 2)`` of an epoch, then the next epoch whole;
@@ -47,6 +48,13 @@ class Indices(aioload.Dataset):
 
     def decode(self, raw: int) -> int:
         return raw
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """20 samples on every rank, and no ``len()``: the end of an epoch is found by reading ahead."""
+
+    def __iter__(self):
+        return iter(range(20))
 
 
 def make_loader(n: int = 40, workers: int = 1) -> aioload.DataLoader:
@@ -101,6 +109,9 @@ def main(out: str) -> None:
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
     result["accumulate"] = train(accelerator, prepare(accelerator, make_loader()), steps=10)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
+    stream = aioload.DataLoader(Stream(), batch_size=4, num_workers=1)
+    result["accumulate/iterable"] = train(accelerator, prepare(accelerator, stream), steps=10)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
     result["accumulate/bare"] = train(accelerator, make_loader(), steps=5)  # without prepare()
 
