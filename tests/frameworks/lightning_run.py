@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import warnings
 
 import lightning as L
 import torch
@@ -105,7 +104,6 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--workers", type=int, default=1)
     args = p.parse_args()
-    warnings.filterwarnings("ignore", category=UserWarning)  # Lightning's advice on CPU runs
     result: dict = {}
     rank = int(os.environ.get("LOCAL_RANK", 0))
 
