@@ -1,8 +1,10 @@
-"""The warnings torch's DataLoader gives (too many workers, pinning that cannot happen, an
-IterableDataset longer than its reported length), worded as the installed torch words them."""
+"""What torch's DataLoader shows besides batches: its warnings (too many workers, pinning that
+cannot happen, an IterableDataset longer than its reported length), worded as the installed
+torch words them, and its ``torch.profiler`` range around each batch."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
@@ -10,11 +12,29 @@ import warnings
 from typing import TYPE_CHECKING
 
 import torch
+from torch.autograd.profiler import record_function
 
 from aioload import _device
 
 if TYPE_CHECKING:
     from aioload._loader import DataLoader
+
+
+# Profiler ranges around each batch, as torch's iterators have: the "enumerate(DataLoader)#"
+# prefix is what profile viewers (TensorBoard's profiler plugin) count as data loading; the
+# rest says it is aioload's and what the training loop was doing.
+WAITING = "enumerate(DataLoader)#aioload.DataLoader.__next__ (waiting for a batch)"
+WAITING_ASYNC = "enumerate(DataLoader)#aioload.DataLoader.__anext__ (waiting for a batch)"
+LOADING = "enumerate(DataLoader)#aioload.DataLoader.__next__ (loading a batch in this process)"
+_profiling = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+_NO_RANGE = contextlib.nullcontext()
+
+
+def profiled(name: str):
+    """torch's ``record_function(name)`` while a profiler runs, else nothing. torch's
+    iterators build the range for every batch; without a profiler that costs several times
+    more than asking whether one runs (``python benchmarks/profiler_range.py``)."""
+    return record_function(name) if _profiling() else _NO_RANGE
 
 
 def _len_called(loader: DataLoader) -> int | None:

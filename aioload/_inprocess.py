@@ -14,7 +14,7 @@ import torch
 
 from aioload import _device
 from aioload._budget import SKIPPED, budget_for, run_in_process
-from aioload._compat import _len_called, _warn_iterable_length
+from aioload._compat import LOADING, WAITING_ASYNC, _len_called, _warn_iterable_length, profiled
 from aioload._seeding import sample_seed, seed_everything
 
 if TYPE_CHECKING:
@@ -106,6 +106,10 @@ class _InProcessIterator:
         return _collate_in_process(loader, self._budget, samples)
 
     def __next__(self):
+        with profiled(LOADING):
+            return self._next()
+
+    def _next(self):
         if self._ended:
             raise StopIteration
         if self._plan is None:
@@ -135,12 +139,13 @@ class _InProcessIterator:
 
     def _next_or_end(self):
         try:
-            return self.__next__()
+            return self._next()
         except StopIteration:
             return _END
 
     async def __anext__(self):
-        batch = await anyio.to_thread.run_sync(self._next_or_end)
+        with profiled(WAITING_ASYNC):  # the range is the coroutine's: it waits for the thread
+            batch = await anyio.to_thread.run_sync(self._next_or_end)
         if batch is _END:
             raise StopAsyncIteration
         return batch

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from aioload import _device
-from aioload._compat import _len_called, _warn_iterable_length
+from aioload._compat import WAITING, WAITING_ASYNC, _len_called, _warn_iterable_length, profiled
 from aioload._errors import DataLoaderTimeoutError, LoaderClosedError
 from aioload._inprocess import _AllSkipped, _decode_in_process
 from aioload._ready import EndOfEpoch
@@ -120,6 +120,10 @@ class _Iterator:
         return batch
 
     def __next__(self):
+        with profiled(WAITING):
+            return self._next()
+
+    def _next(self):
         if self._ready is None and not self._done:
             self._start()
         while True:
@@ -164,17 +168,22 @@ class _Iterator:
                 await self._wait_async(started)
 
     async def __anext__(self):
+        with profiled(WAITING_ASYNC):
+            return await self._anext()
+
+    async def _anext(self):
         if self._ready is None and not self._done:
             self._start()
-        item, waited = await self._take_async()
-        if item is _END:
-            raise StopAsyncIteration
-        try:
-            if isinstance(item, Ready) and item.raw is not None:
-                return await anyio.to_thread.run_sync(self._finish, item, waited)
-            return self._finish(item, waited)
-        except _AllSkipped:
-            return await self.__anext__()
+        while True:
+            item, waited = await self._take_async()
+            if item is _END:
+                raise StopAsyncIteration
+            try:
+                if isinstance(item, Ready) and item.raw is not None:
+                    return await anyio.to_thread.run_sync(self._finish, item, waited)
+                return self._finish(item, waited)
+            except _AllSkipped:
+                continue
 
     def close(self) -> None:
         """Stop this epoch early (what ``break`` does once the iterator is dropped)."""

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import anyio
 import torch
 from torch.utils.data import IterableDataset
+from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 from torch.utils.data._utils.collate import default_collate
 
 from aioload import _device
@@ -38,7 +39,9 @@ from aioload._stats import LoaderStats, StatsRecorder
 from aioload._tune import check_knob, is_auto, make_tuner
 from aioload._worker import WorkerConfig, _batched_fetch
 
-_TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(torch.utils.data.DataLoader.__init__).parameters
+# torch's class, taken at import: a program may then put aioload's in its place
+# (``torch.utils.data.DataLoader = aioload.DataLoader``) for code it does not own.
+_TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(_TorchDataLoader.__init__).parameters
 # What torch's DataLoader.__setattr__ refuses once the loader is built (its samplers were made
 # from these); every other attribute of torch's loader may be assigned, and so it may here.
 _FROZEN = frozenset({"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"})
@@ -121,7 +124,7 @@ class DataLoader:
         if self._shard is not None:
             sampler, shuffle = self._shard, None
         # torch's own constructor validates every torch argument and builds the samplers.
-        self._torch = torch.utils.data.DataLoader(
+        self._torch = _TorchDataLoader(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, False,
             drop_last, timeout, worker_init_fn, multiprocessing_context,
             generator if seed is None else self._seed_generator,

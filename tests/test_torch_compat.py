@@ -243,3 +243,107 @@ def test_a_probe_of_a_closed_loader_raises_when_it_starts():
     loader.close()
     with pytest.raises(aioload.LoaderClosedError, match="^this DataLoader was closed; create a new one to iterate again$"):
         next(probe)
+
+
+# ------------------------------------------------------------------- aioload in torch's place
+
+_SWAPPED = """
+import os, sys, warnings
+import torch, torch.utils.data
+import aioload
+from tests.datasets import SlowReads, Squares
+
+class Stream(torch.utils.data.IterableDataset):  # reports 2 samples, yields 3
+    def __len__(self):
+        return 2
+    def __iter__(self):
+        return iter(range(3))
+    def __repr__(self):
+        return "Stream()"
+
+if sys.argv[1] == "swapped":  # what a program does to hand aioload to code it does not own
+    torch.utils.data.DataLoader = torch.utils.data.dataloader.DataLoader = aioload.DataLoader
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for dataset, workers, kw in [(Squares(8), 0, {}), (SlowReads(8), 0, {}), (Squares(8), 2, {}),
+                                 (Squares(8), 2, {"pin_memory": True}), (Squares(8), 0, {"pin_memory": True}),
+                                 (Squares(8), os.cpu_count() + 1, {}), (Stream(), 0, {"batch_size": None})]:
+        loader = aioload.DataLoader(dataset, num_workers=workers, batch_size=kw.pop("batch_size", 4), **kw)
+        other = torch.utils.data.DataLoader(dataset, num_workers=workers, batch_size=loader.batch_size, **kw)
+        for each in (loader, other):
+            len(each)
+            batches = [b[1].tolist() if isinstance(b, (list, tuple)) else int(b) for b in each]
+            print(type(each).__module__, workers, batches)
+            getattr(each, "close", lambda: None)()
+for w in caught:
+    print(w.category.__name__, str(w.message))
+"""
+
+
+def test_aioload_can_take_torchs_place(tmp_path):
+    """``torch.utils.data.DataLoader = aioload.DataLoader`` (for third-party code that builds
+    torch's loader) works: aioload keeps torch's class from import time. The batches and the
+    warnings (too many workers, pinning, an IterableDataset longer than its length) are those
+    of the same program without the swap, except that code asking torch for a loader gets aioload's."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "swapped.py"
+    script.write_text(_SWAPPED)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    runs = {}
+    for mode in ("plain", "swapped"):
+        done = subprocess.run([sys.executable, str(script), mode], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[mode] = done.stdout.splitlines()
+    expected = [line.replace("torch.utils.data.dataloader ", "aioload._loader ") for line in runs["plain"]]
+    assert runs["swapped"] == expected
+    warned = " ".join(line for line in expected if line.startswith("UserWarning"))
+    assert all(text in warned for text in ("pin_memory", "worker processes", "Length of IterableDataset"))
+
+
+# ------------------------------------------------------------------- torch.profiler ranges
+
+
+def _ranges(loader_cls, workers: int, split: bool, run) -> list[str]:
+    """The DataLoader ranges (``enumerate(DataLoader)#...``) a profiler records while ``run``
+    iterates a 3-batch loader."""
+    dataset = SlowReads(12) if split else Squares(12)
+    loader = loader_cls(dataset, batch_size=4, num_workers=workers)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            batches = run(loader)
+    finally:
+        getattr(loader, "close", lambda: None)()
+    assert batches == 3
+    return [e.name for e in prof.events() if e.name.startswith("enumerate(DataLoader)#")]
+
+
+def _sync(loader) -> int:
+    return sum(1 for _ in loader)
+
+
+def _async(loader) -> int:
+    async def main():
+        return sum([1 async for _ in loader])
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("case", _PROBED, ids=_ids)
+def test_each_batch_is_a_profiler_range(case):
+    """As torch's iterators do, each ``next()`` is a ``record_function`` range (the last one,
+    which ends the epoch, too), named for aioload and for what the training loop waits on."""
+    dataset_cls, workers = case
+    split = dataset_cls is SlowReads
+    expected = len(_ranges(torch.utils.data.DataLoader, workers, split, _sync))
+    assert expected == 4  # 3 batches, then the StopIteration
+    name = ("enumerate(DataLoader)#aioload.DataLoader.__next__ (loading a batch in this process)"
+            if workers == 0 and not split else
+            "enumerate(DataLoader)#aioload.DataLoader.__next__ (waiting for a batch)")
+    assert _ranges(aioload.DataLoader, workers, split, _sync) == [name] * expected
+    assert _ranges(aioload.DataLoader, workers, split, _async) == [
+        "enumerate(DataLoader)#aioload.DataLoader.__anext__ (waiting for a batch)"] * expected
