@@ -123,3 +123,21 @@ def test_remainder_without_a_distributed_split_is_unknown():
 
     assert padded_remainder(37, 2, 4, False, 37, None) == -1  # a RandomSampler's num_samples
     assert padded_remainder(37, 1, 4, False, None, None) == 0
+
+
+def test_accelerators_skip_first_batches_refuses_a_prepared_loader_instead_of_rebuilding_it():
+    from accelerate.data_loader import skip_first_batches as accelerate_skip
+
+    import aioload
+    from aioload.integrations.accelerate import PreparedLoader, skip_first_batches
+
+    with aioload.DataLoader(range(10), batch_size=2) as loader:
+        prepared = PreparedLoader(loader)
+        with pytest.raises(AttributeError, match=r"^a prepared aioload loader has no batch_sampler: to skip "
+                                                 r"batches use aioload\.integrations\.accelerate\.skip_first_batches"):
+            accelerate_skip(prepared, 2)
+        assert getattr(prepared, "batch_sampler", None) is None
+        assert [b.tolist() for b in skip_first_batches(prepared, 3)] == [[6, 7], [8, 9]]
+        assert len(skip_first_batches(prepared, 3)) == 2
+        with pytest.raises(ValueError, match=r"^num_batches must be an int >= 0, got -1$"):
+            skip_first_batches(prepared, -1)

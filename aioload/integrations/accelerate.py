@@ -46,8 +46,9 @@ class PreparedLoader(DataLoaderStateMixin):
     repeats are the tail of that gathered batch (always with two ranks), else ``-1``.
 
     Everything else (``len()``, ``set_epoch``, ``dataset``, ``batch_size``, ``stats()``, any
-    attribute) is the loader's; ``state_dict()`` is the loader's state and the count of
-    batches delivered in the epoch in progress.
+    attribute but ``batch_sampler``) is the loader's; ``state_dict()`` is the loader's state and
+    the count of batches delivered in the epoch in progress. ``batch_sampler`` is refused, so
+    that ``accelerator.skip_first_batches`` fails instead of rebuilding the loader as torch's.
     """
 
     def __init__(self, loader, accelerator=None):
@@ -61,6 +62,14 @@ class PreparedLoader(DataLoaderStateMixin):
     def __getattr__(self, name: str):
         if name == "loader":  # not set yet (unpickling): no recursion
             raise AttributeError(name)
+        if name == "batch_sampler":
+            # What accelerate's skip_first_batches rebuilds a torch DataLoader from.
+            raise AttributeError(
+                "a prepared aioload loader has no batch_sampler: to skip batches use "
+                "aioload.integrations.accelerate.skip_first_batches(loader, n), not "
+                "accelerator.skip_first_batches (which would load them with a torch DataLoader); "
+                "the aioload loader's own is loader.loader.batch_sampler"
+            )
         return getattr(self.loader, name)
 
     def __len__(self) -> int:
