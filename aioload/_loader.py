@@ -98,10 +98,12 @@ class DataLoader:
       :class:`aioload.DataLoaderTimeoutError` (skipped like any failure with ``on_error="skip"``).
     * ``log_every`` -- log a line of statistics with a verdict (logger ``"aioload"``, level
       INFO) every this many seconds; ``progress=True`` shows a tqdm bar per epoch.
-    * ``shard`` -- with ``torch.distributed`` initialised and no sampler given, each rank
-      loads a disjoint shard of equal length (like ``DistributedSampler``); ``False`` turns
-      this off. ``state_dict()``/``load_state_dict()`` resume mid-epoch exactly. See
-      ``docs/reproducibility.md``.
+    * ``shard`` -- with a map-style dataset and no sampler given, each rank loads a disjoint
+      shard of equal length (like ``DistributedSampler``) once ``torch.distributed`` is
+      initialised: decided every epoch, so the loader may be built before
+      ``init_process_group``; ``len()`` follows the current world size. ``False`` turns this
+      off. ``state_dict()``/``load_state_dict()`` resume mid-epoch exactly, and one rank's
+      state resumes every rank (frameworks save rank 0's). See ``docs/reproducibility.md``.
     """
 
     def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
@@ -119,8 +121,10 @@ class DataLoader:
         if seed is not None and generator is not None:
             raise ValueError("pass either seed or generator, not both: seed=S makes aioload seed a generator per epoch")
         self._seed_generator = torch.Generator() if seed is not None else None
-        # Under torch.distributed, each rank loads its own shard (see docs/reproducibility.md).
-        self._shard = shard_sampler(shard, dataset, sampler, batch_sampler, shuffle, drop_last, seed)
+        # Under torch.distributed, each rank loads its own shard, decided each epoch, so that the
+        # loader may be built before init_process_group (see docs/reproducibility.md).
+        self._shard = shard_sampler(shard, dataset, sampler, batch_sampler, shuffle, drop_last, seed,
+                                    generator if seed is None else self._seed_generator)
         if self._shard is not None:
             sampler, shuffle = self._shard, None
         # torch's own constructor validates every torch argument and builds the samplers.
@@ -194,7 +198,7 @@ class DataLoader:
 
     batch_size = property(lambda self: self._torch.batch_size)
     drop_last = property(lambda self: self._torch.drop_last)
-    sampler = property(lambda self: self._torch.sampler)
+    sampler = property(lambda self: self._shard.active() if self._shard is not None else self._torch.sampler)
     batch_sampler = property(lambda self: self._torch.batch_sampler)
     persistent_workers = property(lambda self: self._torch.persistent_workers)
     # Assignable, as on torch's loader. The worker settings apply to the next worker pool: see
@@ -258,16 +262,20 @@ class DataLoader:
     def state_dict(self) -> dict:
         """Where this loader is: the epoch, the batches delivered so far, and the generator
         states that replay the order. Plain data (``json`` and ``torch.save`` take it); take it
-        between batches. A loader built alike (``num_workers``, ``io_concurrency`` and
-        ``in_order`` may differ) that loads it yields exactly the batches not yet delivered.
-        See docs/reproducibility.md."""
+        between batches, as often as you like (it never fails and costs the same at every
+        batch). A loader built alike (``num_workers``, ``io_concurrency``, ``in_order`` and the
+        rank may differ) that loads it yields exactly the batches not yet delivered; where the
+        position inside an epoch cannot be saved (an ``IterableDataset``), the state is the
+        epoch's start. See docs/reproducibility.md."""
         if self._resume is not None:
             return self._planner.resume_state(self._resume)
         return self._planner.state_dict(self._next_epoch, self._progress)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`'s output: the next iteration continues its epoch
-        (or starts the next one, if it was saved between epochs)."""
+        (or starts the next one, if it was saved between epochs). The whole state is checked
+        here: a malformed one, or one saved with another configuration or world size, raises
+        a ``ValueError`` naming the field; one that stands for its epoch's start warns."""
         self._resume = self._planner.load(state)
         self._next_epoch = self._resume["epoch"]
         self._progress = None
@@ -304,6 +312,8 @@ class DataLoader:
 
     def _delivered(self, samples: int, waited: float) -> None:
         self._stats.delivered(samples, waited)
+        if self._progress is not None:
+            self._progress.taken += 1
         if self._monitor is not None:
             self._monitor.batch()
 

@@ -1,7 +1,7 @@
 """The saved state of a loader (``loader.state_dict()``): what it holds and how it is checked.
 
-A state is plain data (dicts, lists, strings, ints, bools, ``None``), so ``json.dumps`` and
-``torch.save(..., weights_only=True)`` both take it::
+A state is plain data (dicts, lists or tuples, strings, ints, bools, ``None``), so
+``json.dumps`` and ``torch.save(..., weights_only=True)`` both take it::
 
     {"aioload_state": 1,
      "epoch": 3,                          # the epoch in progress, or the next one
@@ -11,25 +11,59 @@ A state is plain data (dicts, lists, strings, ints, bools, ``None``), so ``json.
      "progress": None | {                 # None: saved between epochs
          "base_seed": 123,                # the epoch's augmentation seed
          "delivered": {"below": 40, "also": [42]},   # batch sequence numbers received
-         "batches": None | [[41, [7, 3]], [43, [9, 1]], ...]}}  # not replayable: what is left
+         "batches": None | [[41, [7, 3]], [43, [9, 1]], ...],  # not replayable: what is left
+         "rank": None | 0,                # with "batches": the rank whose indices they are
+         "inexact": None | "<why>"}}      # the position inside the epoch was not saved
 
 ``rng`` holds generator states at the start of the epoch in progress (between epochs: as they
 are now, torch's global RNG excepted), so that replaying the sampler gives the same order.
+Nothing in a state names the rank that saved it unless it lists that rank's own indices
+(``batches``): under ``torch.distributed`` ranks move in lockstep through shards of equal
+length, so one rank's state resumes every rank. ``config["world_size"]`` is the number of
+ranks the order is split between, which must match.
+
+A state with ``inexact`` stands for the start of its epoch: saving never fails, and loading it
+warns with :class:`ResumeWarning` (see docs/reproducibility.md).
+
+:func:`unpack` checks every field before anything uses one, so that a malformed state fails
+at ``load_state_dict()`` with a :class:`ResumeError` that names the field, never later.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import operator
+import reprlib
+from dataclasses import dataclass
 
 import torch
 
 VERSION = 1
+MAX_DEPTH = 32  # a state needs 4 levels, plus the nesting of the sampler's indices
+_SEED_MAX = 2**63 - 1  # base seeds are drawn as non-negative int64, or derived as 63-bit ints
+_EPOCH_MAX = 2**63 - 1
+_RNG_BYTES = torch.Generator().get_state().numel()
+_PERSISTENT = "drawn once (persistent workers)"
+
+ITERABLE_MIDDLE = (
+    "the position inside an epoch of an IterableDataset is not saved: aioload cannot know how "
+    "far each worker's copy of the stream has read"
+)
 
 
 class ResumeError(ValueError):
-    """A state cannot be saved or loaded exactly; the message says why and what to do."""
+    """A state cannot be loaded, or cannot resume this loader; the message says why and what to do."""
+
+
+class ResumeWarning(UserWarning):
+    """A loaded state resumes from the start of its epoch, not from where it was saved."""
+
+
+class Unsaveable(Exception):
+    """Why the position inside an epoch cannot be saved exactly (the state then stands for the
+    epoch's start, with this reason)."""
 
 
 # -- generator states ---------------------------------------------------------------------
@@ -42,6 +76,10 @@ def snapshot(generators: dict) -> dict:
     return out
 
 
+def rng_tensor(encoded: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(encoded, validate=True)), dtype=torch.uint8)
+
+
 @contextlib.contextmanager
 def restored(saved: dict, generators: dict):
     """Give each generator its saved state. A loader's own generators keep it (they go on as in
@@ -49,7 +87,7 @@ def restored(saved: dict, generators: dict):
     script's own RNG state (its to save and restore) is left as it was."""
     keep = None
     for role, entry in saved.items():
-        state = torch.frombuffer(bytearray(base64.b64decode(entry["state"])), dtype=torch.uint8)
+        state = rng_tensor(entry["state"])
         gen = generators[role]
         if gen is None:
             keep = torch.get_rng_state()
@@ -64,11 +102,16 @@ def restored(saved: dict, generators: dict):
 
 
 # -- what must match ----------------------------------------------------------------------
-_SAMPLER_FIELDS = ("num_replicas", "world_size", "rank", "shuffle", "seed", "drop_last", "replacement",
+# No rank: each rank's shard has the same length and moves in lockstep, so a position saved on
+# one rank holds on every rank (frameworks save one checkpoint, from rank 0).
+_SAMPLER_FIELDS = ("num_replicas", "world_size", "shuffle", "seed", "drop_last", "replacement",
                    "num_samples", "batch_size")
 
 
 def _describe(sampler) -> str:
+    active = getattr(sampler, "active", None)
+    if callable(active):  # aioload's ShardByRank: the sampler it uses in the world as it is now
+        return _describe(active())
     fields = []
     for name in _SAMPLER_FIELDS:
         value = getattr(sampler, name, None)
@@ -80,7 +123,7 @@ def _describe(sampler) -> str:
     return f"{type(sampler).__qualname__}({', '.join(fields)})"
 
 
-def config(torch_loader, seed: int | None, generators: dict, base_seeds: str) -> dict:
+def config(torch_loader, seed: int | None, generators: dict, base_seeds: str, world_size: int | None) -> dict:
     dataset = torch_loader.dataset
     try:
         length = len(dataset)
@@ -94,15 +137,36 @@ def config(torch_loader, seed: int | None, generators: dict, base_seeds: str) ->
         "seed": seed,
         "base_seeds": base_seeds,
         "generators": {role: gen is None for role, gen in generators.items()},
+        "world_size": world_size,
     }
 
 
+def check_world(saved: int | None, mine: int | None, action: str) -> None:
+    """Refuse to resume a position saved with another number of ranks."""
+    if saved is None or mine is None or saved == mine:
+        return
+    hint = ""
+    if mine == 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        hint = (f"; torch.distributed is not initialised here: {action} after init_process_group() "
+                "(the framework's setup) in each of the processes")
+    raise ResumeError(
+        f"this state was saved with world_size={saved}, but this loader runs with world_size={mine}: "
+        f"each rank's shard, and so the saved position, depends on the number of ranks; resume on "
+        f"{saved} process{'es' if saved > 1 else ''}{hint}"
+    )
+
+
 # -- packing ------------------------------------------------------------------------------
-def progress(base_seed: int, delivered, batches: list | None) -> dict:
+def progress(base_seed: int, delivered, batches: tuple | None, rank: int | None = None,
+             inexact: str | None = None) -> dict:
+    """The ``progress`` entry. ``batches`` is already plain data (see :func:`plain`); it may
+    be shared by successive states of one epoch, so a state is to be treated as read-only."""
     return {
         "base_seed": base_seed,
         "delivered": {"below": delivered.low, "also": sorted(delivered.above)},
-        "batches": None if batches is None else [[seq, _plain(indices)] for seq, indices in batches],
+        "batches": batches,
+        "rank": rank,
+        "inexact": inexact,
     }
 
 
@@ -111,49 +175,269 @@ def pack(epoch: int, cfg: dict, rng: dict, prog: dict | None, kept_base: tuple |
             "kept_base": None if kept_base is None else list(kept_base)}
 
 
-def unpack(state, cfg: dict) -> dict:
-    """Check a saved state against this loader's ``cfg``; returns it with indices decoded."""
-    if not isinstance(state, dict) or state.get("aioload_state") != VERSION:
-        raise ResumeError(
-            f"not an aioload.DataLoader state of version {VERSION}: pass what loader.state_dict() returned"
-        )
-    for key, mine in cfg.items():
-        saved = state["config"].get(key)
-        if saved != mine:
-            raise ResumeError(
-                f"this state was saved by a loader with {key}={saved!r}, but this loader has "
-                f"{key}={mine!r}: exact resume needs the same dataset, batching, sampler, seed and "
-                "ranks (num_workers, io_concurrency and in_order may differ)"
-            )
-    prog = state["progress"]
-    if prog is not None:
-        batches = prog["batches"]
-        prog = dict(prog, batches=None if batches is None else [(seq, _unplain(b)) for seq, b in batches])
-    kept = state.get("kept_base")
-    return {"epoch": state["epoch"], "rng": state["rng"], "progress": prog,
-            "kept_base": None if kept is None else tuple(kept)}
-
-
-def _plain(indices):
+def plain(indices):
     """Indices as JSON data: ints, strings and lists as they are, a tuple tagged as one."""
     if isinstance(indices, str):
         return indices
     if isinstance(indices, list):
-        return [_plain(i) for i in indices]
+        return [plain(i) for i in indices]
     if isinstance(indices, tuple):
-        return {"tuple": [_plain(i) for i in indices]}
+        return {"tuple": [plain(i) for i in indices]}
     try:
         return operator.index(indices)
     except TypeError:
-        raise ResumeError(
-            f"cannot save the sampler's index {indices!r} ({type(indices).__name__}): a sampler aioload "
-            "cannot replay is saved as its remaining indices, which must be ints, strings, lists or tuples"
+        raise Unsaveable(
+            f"the sampler's index {reprlib.repr(indices)} ({type(indices).__name__}) cannot be saved: a "
+            "sampler aioload cannot replay is saved as its remaining indices, which must be ints, "
+            "strings, lists or tuples"
         ) from None
 
 
 def _unplain(data):
     if isinstance(data, dict):
         return tuple(_unplain(i) for i in data["tuple"])
-    if isinstance(data, list):
+    if isinstance(data, (list, tuple)):
         return [_unplain(i) for i in data]
     return data
+
+
+# -- checking a state ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Expected:
+    """What a state a loader can load looks like."""
+
+    config: dict  # the loader's own configuration (see config())
+    batches: int | None  # batches in one of its epochs; None: its sampler has no len()
+    iterable: bool  # an IterableDataset: no position inside an epoch
+    batched: bool  # each sampler item is a batch of indices (torch's auto-collation)
+    batch_size: int | None  # the most indices in a batch; None: any number
+    rank: int  # this process's rank (0 outside torch.distributed)
+
+
+def _fail(path: str, problem: str) -> ResumeError:
+    return ResumeError(f"cannot load this state: {path} {problem}; pass what loader.state_dict() returned")
+
+
+def _check_plain(state) -> None:
+    """Every value is plain data, nested at most MAX_DEPTH deep (walked without recursion)."""
+    stack = [(state, "the state", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _fail(path, f"is nested deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise _fail(path, f"has the key {reprlib.repr(key)}: keys are strings")
+                stack.append((item, key if path == "the state" else f"{path}.{key}", depth + 1))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif value is not None and not isinstance(value, (str, int)):
+            raise _fail(path, f"is a {type(value).__name__}: a state holds only dicts, lists, strings, "
+                              "ints, bools and None")
+
+
+def _keys(value, path: str, required, optional=()) -> dict:
+    if not isinstance(value, dict):
+        raise _fail(path, f"must be a dict, got {type(value).__name__}")
+    missing = [k for k in required if k not in value]
+    if missing:
+        raise _fail(path, f"has no {', '.join(repr(k) for k in missing)}")
+    unknown = sorted(set(value) - set(required) - set(optional))
+    if unknown:
+        raise _fail(path, f"has unexpected keys {unknown}")
+    return value
+
+
+def _int(value, path: str, low: int, high: int | None, what: str = "") -> int:
+    """``value``, an int in ``[low, high]`` (``high=None``: no upper bound)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(path, f"must be an int, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        bound = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
+        raise _fail(path, f"must be {bound}{what}, got {value}")
+    return value
+
+
+def _seq(value, path: str) -> list | tuple:
+    if not isinstance(value, (list, tuple)):
+        raise _fail(path, f"must be a list, got {type(value).__name__}")
+    return value
+
+
+def unpack(state, exp: Expected) -> dict:
+    """Check every field of a saved state against the loader described by ``exp``; returns it
+    with indices decoded. Raises :class:`ResumeError` naming the field that is wrong."""
+    if not isinstance(state, dict) or state.get("aioload_state") != VERSION:
+        raise ResumeError(
+            f"not an aioload.DataLoader state of version {VERSION}: pass what loader.state_dict() returned"
+        )
+    _check_plain(state)
+    _keys(state, "the state", ("aioload_state", "epoch", "config", "rng", "progress"), ("kept_base",))
+    cfg = _check_config(state["config"], exp)
+    epoch = _int(state["epoch"], "epoch", 0, _EPOCH_MAX)
+    prog = state["progress"]
+    rng = _check_rng(state["rng"], exp.config["generators"], mid_epoch=prog is not None)
+    kept = _check_kept(state.get("kept_base"), exp.config["base_seeds"])
+    return {"epoch": epoch, "rng": rng, "progress": None if prog is None else _check_progress(prog, exp),
+            "kept_base": kept, "world_size": cfg.get("world_size")}
+
+
+def _check_config(cfg, exp: Expected) -> dict:
+    mine = exp.config
+    # "world_size" is optional: states written before it existed lack it (their sampler
+    # description still names the world size of a sharded loader).
+    _keys(cfg, "config", [k for k in mine if k != "world_size"], ("world_size",))
+    if "world_size" in cfg:
+        if cfg["world_size"] is not None:
+            _int(cfg["world_size"], "config.world_size", 1, None)
+        check_world(cfg["world_size"], mine["world_size"], "load_state_dict()")
+    for key, value in mine.items():
+        saved = cfg.get(key, value)
+        if saved != value or type(saved) is not type(value):
+            raise ResumeError(
+                f"this state was saved by a loader with {key}={reprlib.repr(saved)}, but this loader has "
+                f"{key}={value!r}: exact resume needs the same dataset, batching, sampler, seed and "
+                "world size (num_workers, io_concurrency and in_order may differ)"
+            )
+    return cfg
+
+
+def _check_rng(rng, roles: dict, mid_epoch: bool) -> dict:
+    """Mid-epoch, every generator's state at the epoch's start; between epochs, those of the
+    loader's own generators (torch's global RNG is the training script's to save)."""
+    wanted = [role for role, is_global in roles.items() if mid_epoch or not is_global]
+    _keys(rng, "rng", wanted)
+    for role in wanted:
+        entry = _keys(rng[role], f"rng.{role}", ("global", "state"))
+        if entry["global"] is not roles[role]:
+            which = "torch's global RNG" if roles[role] else "a generator of its own"
+            raise _fail(f"rng.{role}.global", f"must be {roles[role]}: this loader's {role!r} generator is {which}")
+        _check_rng_state(entry["state"], f"rng.{role}.state")
+    return rng
+
+
+def _check_rng_state(encoded, path: str) -> None:
+    if not isinstance(encoded, str):
+        raise _fail(path, f"must be a base64 string, got {type(encoded).__name__}")
+    try:
+        state = rng_tensor(encoded)
+    except (binascii.Error, ValueError) as exc:
+        raise _fail(path, f"is not valid base64 ({exc})") from None
+    if state.numel() != _RNG_BYTES:
+        raise _fail(path, f"must decode to a generator state of {_RNG_BYTES} bytes, got {state.numel()}")
+    try:
+        torch.Generator().set_state(state)
+    except RuntimeError as exc:
+        raise _fail(path, f"is not a torch generator state ({exc})") from None
+
+
+def _check_kept(kept, base_seeds: str) -> tuple | None:
+    if kept is None:
+        return None
+    if base_seeds != _PERSISTENT:
+        raise _fail("kept_base", f"must be None: this loader's base seeds are {base_seeds}")
+    pair = _seq(kept, "kept_base")
+    if len(pair) != 2:
+        raise _fail("kept_base", f"must be [epoch, base seed], got {len(pair)} items")
+    return (_int(pair[0], "kept_base[0]", 0, _EPOCH_MAX), _int(pair[1], "kept_base[1]", 0, _SEED_MAX))
+
+
+def _check_progress(prog, exp: Expected) -> dict:
+    _keys(prog, "progress", ("base_seed", "delivered", "batches"), ("rank", "inexact"))
+    base = _int(prog["base_seed"], "progress.base_seed", 0, _SEED_MAX)
+    n = exp.batches
+    of_n = "" if n is None else f" (an epoch of this loader has {n} batches)"
+    delivered = _keys(prog["delivered"], "progress.delivered", ("below", "also"))
+    below = _int(delivered["below"], "progress.delivered.below", 0, n, of_n)
+    also = _seq(delivered["also"], "progress.delivered.also")
+    for i, seq in enumerate(also):
+        _int(seq, f"progress.delivered.also[{i}]", below + 1, None if n is None else n - 1, of_n)
+    if len(set(also)) != len(also):
+        raise _fail("progress.delivered.also", "lists a batch twice")
+    inexact = prog.get("inexact")
+    if inexact is not None and (not isinstance(inexact, str) or not inexact):
+        raise _fail("progress.inexact", f"must be None or the reason, got {reprlib.repr(inexact)}")
+    batches = prog["batches"]
+    if (exp.iterable or inexact is not None) and (below or also or batches is not None):
+        why = "an IterableDataset's epoch" if exp.iterable else "a state saved with progress.inexact"
+        raise _fail("progress", f"must stand for the epoch's start: {why} resumes from its start only "
+                                "(nothing delivered, no batches)")
+    rank = prog.get("rank")
+    if batches is None:
+        if rank is not None:
+            raise _fail("progress.rank", "must be None without progress.batches")
+        return dict(prog, batches=None, inexact=inexact)
+    decoded = _check_batches(batches, set(range(below)) | set(also), exp)
+    if "rank" in prog and _int(rank, "progress.rank", 0, None) != exp.rank:
+        raise ResumeError(
+            f"this state lists the remaining indices of rank {rank} (its sampler cannot be replayed, so "
+            f"they were written out), but this is rank {exp.rank}: load into each rank the state it saved"
+        )
+    return dict(prog, batches=decoded, inexact=inexact)
+
+
+def _check_batches(batches, delivered: set, exp: Expected) -> list:
+    n = exp.batches
+    of_n = "" if n is None else f" (an epoch of this loader has {n} batches)"
+    out = []
+    last = -1
+    for i, pair in enumerate(_seq(batches, "progress.batches")):
+        path = f"progress.batches[{i}]"
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise _fail(path, "must be a [sequence number, indices] pair")
+        seq = _int(pair[0], f"{path}[0]", 0, None if n is None else n - 1, of_n)
+        if seq <= last:
+            raise _fail(f"{path}[0]", f"must be greater than the sequence number before it ({last}), got {seq}")
+        last = seq
+        _check_indices(pair[1], f"{path}[1]", exp)
+        out.append((seq, _unplain(pair[1])))
+    covered = delivered | {seq for seq, _ in out}
+    if covered != set(range(len(covered))):
+        gap = min(set(range(len(covered) + 1)) - covered)
+        raise _fail("progress.batches", f"leaves out batch {gap}: with progress.delivered, it must account "
+                                        "for every batch of the epoch from 0")
+    if n is not None and n > 0 and not covered:
+        raise _fail("progress.batches", f"is empty with nothing delivered: an epoch of this loader has {n} batches")
+    return out
+
+
+def _check_indices(value, path: str, exp: Expected) -> None:
+    if not exp.batched:
+        _check_index(value, path, exp)
+        return
+    if isinstance(value, dict):
+        items = _tagged(value, path)
+    elif isinstance(value, (list, tuple)):
+        items = value
+    else:
+        raise _fail(path, f"must be a batch (a list of indices), got {type(value).__name__}")
+    if not items:
+        raise _fail(path, "is an empty batch")
+    if exp.batch_size is not None and len(items) > exp.batch_size:
+        raise _fail(path, f"holds {len(items)} indices, more than this loader's batch_size={exp.batch_size}")
+    for j, index in enumerate(items):
+        _check_index(index, f"{path}[{j}]", exp)
+
+
+def _check_index(value, path: str, exp: Expected) -> None:
+    """A sample index: an int within the dataset, a string, or a list or tuple of such data
+    (a sampler's own keys, passed to the dataset as they are)."""
+    if isinstance(value, bool):
+        raise _fail(path, "must be an index, got a bool")
+    if isinstance(value, int):
+        length = exp.config["dataset_len"]
+        if value < 0 or (length is not None and value >= length):
+            bound = ("an index >= 0" if length is None
+                     else f"an index in [0, {length - 1}] (the dataset has {length} samples)")
+            raise _fail(path, f"must be {bound}, got {value}")
+    elif isinstance(value, dict):
+        _tagged(value, path)
+    elif value is None:
+        raise _fail(path, "must be an index, got None")
+
+
+def _tagged(value: dict, path: str) -> list | tuple:
+    """A tuple index, saved as ``{"tuple": [...]}``."""
+    _keys(value, path, ("tuple",))
+    return _seq(value["tuple"], f"{path}.tuple")

@@ -15,11 +15,12 @@ import copy
 import itertools
 import math
 import threading
+import warnings
 from collections import deque
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import BatchSampler, Sampler
+from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
 from aioload import _resume
 from aioload._ready import Delivered
@@ -82,30 +83,78 @@ class ShardSampler(Sampler[int]):
                 f"drop_last={self.drop_last}, seed={self.seed})")
 
 
+class ShardByRank(Sampler[int]):
+    """The sampler of a map-style loader with ``shard=True`` and no sampler of the user's.
+
+    What it yields is decided each time it is iterated (the loader does so when it makes an
+    epoch's plan), from ``torch.distributed`` as it is then: in one process, the sampler
+    torch's DataLoader would have built (``RandomSampler`` with the loader's generator, or
+    ``SequentialSampler``); under ``torch.distributed``, this rank's :class:`ShardSampler`. A
+    loader built before ``init_process_group`` (before ``Accelerator()``, or in a Lightning
+    data module's ``__init__``) therefore shards as soon as the group exists. ``len()``
+    follows the current world the same way, so it may change once the group is initialised.
+    """
+
+    def __init__(self, dataset, *, shuffle: bool, drop_last: bool, seed: int | None, generator):
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.seed = 0 if seed is None else seed  # DistributedSampler's default seed
+        self.epoch = 0
+        self.local: Sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+        self._shards: ShardSampler | None = None
+
+    def active(self) -> Sampler:
+        """The sampler for the world as it is now."""
+        ranks = distributed_rank()
+        if ranks is None:
+            return self.local
+        rank, world_size = ranks
+        length = len(self.dataset)
+        shards = self._shards
+        if shards is None or (shards.rank, shards.world_size, shards.length) != (rank, world_size, length):
+            shards = self._shards = ShardSampler(length, rank, world_size, shuffle=self.shuffle,
+                                                 drop_last=self.drop_last, seed=self.seed)
+        shards.set_epoch(self.epoch)
+        return shards
+
+    @property
+    def world_size(self) -> int:
+        ranks = distributed_rank()
+        return 1 if ranks is None else ranks[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.active())
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.active())
+
+    def __repr__(self) -> str:
+        return f"ShardByRank({self.active()!r})"
+
+
 def shard_sampler(shard: bool, dataset, sampler, batch_sampler, shuffle, drop_last: bool,
-                  seed: int | None) -> ShardSampler | None:
-    """The sampler that shards ``dataset`` between ranks, or ``None`` where no sharding applies:
-    ``shard=False``, a sampler or batch sampler of the user's, an ``IterableDataset`` (which
-    shards itself), or ``torch.distributed`` not initialised."""
+                  seed: int | None, generator) -> ShardByRank | None:
+    """The sampler that shards ``dataset`` between ranks once ``torch.distributed`` is
+    initialised, or ``None`` where no sharding applies: ``shard=False``, a sampler or batch
+    sampler of the user's, or an ``IterableDataset`` (which shards itself)."""
     if not isinstance(shard, bool):
         raise TypeError(f"shard must be True or False, got {shard!r}")
     if not shard or sampler is not None or batch_sampler is not None:
         return None
     if isinstance(dataset, torch.utils.data.IterableDataset):
         return None
-    ranks = distributed_rank()
-    if ranks is None:
-        return None
-    rank, world_size = ranks
-    return ShardSampler(len(dataset), rank, world_size, shuffle=bool(shuffle), drop_last=drop_last,
-                        seed=0 if seed is None else seed)
+    return ShardByRank(dataset, shuffle=bool(shuffle), drop_last=drop_last, seed=seed, generator=generator)
 
 
 class _Numbered:
     """The epoch's ``(seq, indices)`` pairs, minus those delivered before a resume.
 
     With ``record=True`` (samplers aioload cannot replay) it keeps the batches handed to the
-    engine until they are delivered, and :meth:`remaining` can write out everything not yet
+    engine until they are delivered, and :meth:`written` writes out everything not yet
     delivered. The engine pulls from its own thread, hence the lock.
     """
 
@@ -118,6 +167,8 @@ class _Numbered:
         self._buffer: deque = deque()
         self._pulled: dict[int, Any] = {}
         self._lock = threading.Lock()
+        # What the first written() returned (or why it could not): later calls return it again.
+        self._written: tuple | _resume.Unsaveable | None = None
 
     def __iter__(self) -> "_Numbered":
         return self
@@ -128,31 +179,47 @@ class _Numbered:
                 seq, indices = self._buffer.popleft() if self._buffer else next(self._pairs)
                 if seq not in self._skip:
                     break
-            if self._record:
+            if self._record and self._written is None:
                 for old in [s for s in self._pulled if s in self._delivered]:
                     del self._pulled[old]
                 self._pulled[seq] = indices
             return seq, indices
 
-    def remaining(self) -> list:
-        """Every ``(seq, indices)`` not yet delivered, in order; the engine goes on pulling
-        the same batches from a buffer."""
+    def written(self) -> tuple:
+        """Every ``(seq, indices)`` not delivered when first asked, in order, as plain data;
+        raises :class:`~aioload._resume.Unsaveable` where they cannot be written out.
+
+        The first call draws the rest of the epoch from the sampler (the engine goes on pulling
+        the same batches from a buffer); later calls return the same tuple, so that saving a
+        state after every batch costs nothing per call. The delivered set saved beside it says
+        which of these batches the resumed loader skips.
+        """
         with self._lock:
-            if self._limit is None:
-                raise _resume.ResumeError(
-                    "exact resume is impossible: this sampler cannot be replayed and has no len(), "
-                    "so its remaining indices cannot be written out; give the sampler a __len__ "
-                    "or use one of torch's samplers with seed="
-                )
-            self._buffer.extend(itertools.islice(self._pairs, max(0, self._limit + 1 - len(self._buffer))))
-            if len(self._buffer) > self._limit:
-                raise _resume.ResumeError(
-                    f"exact resume is impossible: the sampler yields more than its len() of "
-                    f"{self._limit} batches, so its remaining indices cannot be written out"
-                )
-            rest = [pair for pair in self._buffer if pair[0] not in self._skip]
-            pending = [(s, b) for s, b in sorted(self._pulled.items()) if s not in self._delivered]
-            return pending + rest
+            if self._written is None:
+                self._written = self._write()
+                self._pulled.clear()
+            if isinstance(self._written, _resume.Unsaveable):
+                raise self._written
+            return self._written
+
+    def _write(self) -> tuple | _resume.Unsaveable:
+        if self._limit is None:
+            return _resume.Unsaveable(
+                "the sampler cannot be replayed and has no len(), so the rest of its epoch cannot be "
+                "written out; give the sampler a __len__, or use one of torch's samplers"
+            )
+        self._buffer.extend(itertools.islice(self._pairs, max(0, self._limit + 1 - len(self._buffer))))
+        if len(self._buffer) > self._limit:
+            return _resume.Unsaveable(
+                f"the sampler yields more than its len() of {self._limit} batches, so the rest of "
+                "its epoch cannot be written out"
+            )
+        rest = [pair for pair in self._buffer if pair[0] not in self._skip]
+        pending = [(s, b) for s, b in sorted(self._pulled.items()) if s not in self._delivered]
+        try:
+            return tuple((seq, _resume.plain(indices)) for seq, indices in pending + rest)
+        except _resume.Unsaveable as exc:
+            return exc
 
 
 class EpochProgress:
@@ -167,6 +234,7 @@ class EpochProgress:
         self.batches = batches
         self.replayable = replayable
         self.iterable = iterable
+        self.taken = 0  # batches the consumer received (an IterableDataset's are not numbered)
 
 
 class Planner:
@@ -187,6 +255,10 @@ class Planner:
         ``lazy``: the caller's thread pulls every batch itself (torch's single-process loading,
         whose sampler first draws at the first ``next()``), so none is pulled here."""
         t = self.torch
+        if resume is not None:
+            # The world may have changed since the state was loaded (init_process_group ran in
+            # between): each rank's shard, and so the saved position, depends on its size.
+            _resume.check_world(resume["world_size"], self.world_size(), "iterate")
         self._forward_epoch(epoch)
         if self.seed is not None:
             self.seed_generator.manual_seed(derive_seed(self.seed, epoch))
@@ -210,7 +282,7 @@ class Planner:
                 first = [] if lazy and not saved else list(itertools.islice(sampler_iter, 1))
                 pairs = enumerate(itertools.chain(first, sampler_iter))
         if progress is not None:
-            if progress["base_seed"] != base and progress["batches"] is None:
+            if progress["base_seed"] != base and progress["batches"] is None and progress["inexact"] is None:
                 raise _resume.ResumeError(
                     "this state does not replay: its epoch drew different seeds from this loader's "
                     "generator; load it into a loader built with the same generator seed, sampler and dataset"
@@ -274,6 +346,18 @@ class Planner:
         return found
 
     # -- state ------------------------------------------------------------------------------
+    def world_size(self) -> int | None:
+        """The number of ranks this loader's order is split between, where it is split:
+        aioload's own sharding (1 while ``torch.distributed`` is not initialised), or a
+        ``DistributedSampler``/``ShardSampler`` of the user's. ``None``: every rank alike."""
+        outer = self.torch._index_sampler
+        sampler = outer.sampler if type(outer) is BatchSampler else outer
+        if isinstance(sampler, (ShardByRank, ShardSampler)):
+            return sampler.world_size
+        if isinstance(sampler, torch.utils.data.distributed.DistributedSampler):
+            return sampler.num_replicas
+        return None
+
     def config(self) -> dict:
         t = self.torch
         if self.seed is not None:
@@ -282,7 +366,7 @@ class Planner:
             base_seeds = "drawn once (persistent workers)"
         else:
             base_seeds = "drawn every epoch"
-        return _resume.config(t, self.seed, self.generators(), base_seeds)
+        return _resume.config(t, self.seed, self.generators(), base_seeds, self.world_size())
 
     def state_dict(self, next_epoch: int, progress: EpochProgress | None) -> dict:
         if progress is None or progress.delivered.complete:
@@ -290,29 +374,84 @@ class Planner:
             # (torch's global RNG excepted: that one is the training script's to save).
             gens = {role: g for role, g in self.generators().items() if g is not None}
             return _resume.pack(next_epoch, self.config(), _resume.snapshot(gens), None, self._kept_base)
-        if progress.iterable:
-            raise _resume.ResumeError(
-                "exact resume of an IterableDataset in the middle of an epoch is impossible: aioload "
-                "cannot know how far each worker's copy has read; save the state between epochs "
-                "(after the loop ends), or use a map-style dataset"
-            )
-        batches = None if progress.replayable else progress.batches.remaining()
-        return _resume.pack(progress.epoch, self.config(), progress.rng,
-                            _resume.progress(progress.base_seed, progress.delivered, batches), self._kept_base)
+        return _resume.pack(progress.epoch, self.config(), progress.rng, self._position(progress), self._kept_base)
 
-    def load(self, state: dict) -> dict:
+    def _position(self, progress: EpochProgress) -> dict:
+        """Where the epoch in progress is. Where that cannot be saved exactly, the state
+        stands for the epoch's start and says why (see docs/reproducibility.md): saving never
+        fails, and loading such a state warns."""
+        if progress.iterable:
+            if progress.taken == 0:
+                return _resume.progress(progress.base_seed, Delivered(), None)
+            return _resume.progress(progress.base_seed, Delivered(), None, inexact=_resume.ITERABLE_MIDDLE)
+        if progress.replayable:
+            return _resume.progress(progress.base_seed, progress.delivered, None)
+        try:
+            batches = progress.batches.written()
+        except _resume.Unsaveable as exc:
+            return _resume.progress(progress.base_seed, Delivered(), None, inexact=str(exc))
+        return _resume.progress(progress.base_seed, progress.delivered, batches, rank=_rank())
+
+    def expected(self) -> _resume.Expected:
+        """What a state this loader can load looks like (see :func:`aioload._resume.unpack`)."""
+        t = self.torch
+        return _resume.Expected(
+            config=self.config(), batches=_len_or_none(t._index_sampler), iterable=self.iterable,
+            batched=t._auto_collation, batch_size=t.batch_size if t._auto_collation else None,
+            rank=_rank(),
+        )
+
+    def load(self, state) -> dict:
         """Check ``state`` against this loader; returns what :meth:`plan` resumes from."""
-        resume = _resume.unpack(state, self.config())
+        resume = _resume.unpack(state, self.expected())  # every field, before anything uses one
+        prog = resume["progress"]
+        if prog is not None and prog["batches"] is None and prog["inexact"] is None:
+            replayed = self._replayed_base(resume)
+            if replayed is not None and replayed != prog["base_seed"]:
+                raise _resume.ResumeError(
+                    f"cannot load this state: progress.base_seed is {prog['base_seed']}, but replaying its "
+                    f"epoch from the saved seed and generator states gives {replayed}; pass what "
+                    "loader.state_dict() returned"
+                )
         resume["saved"] = copy.deepcopy(state)
+        if prog is not None and prog["inexact"] is not None:
+            warnings.warn(
+                f"this state resumes epoch {resume['epoch']} from its start, not from where it was saved: "
+                f"{prog['inexact']}. Batches delivered in that epoch before the save are delivered again",
+                _resume.ResumeWarning, stacklevel=3,
+            )
         kept = resume["kept_base"]
         if kept is not None and resume["progress"] is not None and kept[0] == resume["epoch"]:
             kept = None  # the replayed epoch draws it again, as the saved run did
         self._kept_base = kept
         return resume
 
+    def _replayed_base(self, resume: dict) -> int | None:
+        """The base seed :meth:`plan` draws when it replays ``resume``'s epoch (the first draw
+        from the loader's restored generator: torch's samplers draw later), where it is known
+        before iterating; ``None`` where the saved one is taken as it is."""
+        epoch = resume["epoch"]
+        if self.seed is not None:
+            return derive_seed(self.seed, epoch, 1)
+        t = self.torch
+        if t.persistent_workers and t.num_workers > 0:
+            kept = resume["kept_base"]
+            return derive_seed(kept[1], epoch) if kept is not None and kept[0] != epoch else None
+        entry = resume["rng"].get("loader")
+        if entry is None:
+            return None
+        scratch = torch.Generator()
+        scratch.set_state(_resume.rng_tensor(entry["state"]))
+        return draw_base_seed(scratch)
+
     def resume_state(self, resume: dict) -> dict:
         """The state of a loader that loaded ``resume`` and has not iterated since."""
         return copy.deepcopy(resume["saved"])
+
+
+def _rank() -> int:
+    ranks = distributed_rank()
+    return 0 if ranks is None else ranks[0]
 
 
 _RANDOM_SAMPLERS = (
@@ -328,9 +467,10 @@ _FIXED_SAMPLERS = (
 
 
 def _inner_sampler(index_sampler):
-    if type(index_sampler) is BatchSampler:
-        return index_sampler.sampler
-    return index_sampler
+    """The sampler that decides the order: inside torch's ``BatchSampler``, and for
+    :class:`ShardByRank` the one it uses in the world as it is now."""
+    inner = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
+    return inner.active() if isinstance(inner, ShardByRank) else inner
 
 
 def _replayable(index_sampler) -> bool:

@@ -11,12 +11,49 @@ import pytest
 import torch
 
 import aioload
+from aioload._resume import ITERABLE_MIDDLE, ResumeWarning
 from tests.random_data import Augmented, Gated, Shuffled, Stream
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 N, BATCH, EPOCHS = 23, 3, 2
 PER_EPOCH = -(-N // BATCH)  # 8 batches
+
+
+class Unsized(torch.utils.data.Sampler):
+    """A sampler aioload cannot replay, without a len()."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+class Idx:
+    """An index that counts how often it is converted to an int (as saving one does)."""
+
+    conversions = 0
+
+    def __init__(self, i: int):
+        self.i = i
+
+    def __index__(self) -> int:
+        Idx.conversions += 1
+        return self.i
+
+
+class IdxSampler(Shuffled):
+    def __iter__(self):
+        return (Idx(i) for i in super().__iter__())
+
+
+class ByIdx(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: Idx) -> int:
+        return index.i
 
 
 def key(batch) -> tuple:
@@ -270,19 +307,107 @@ def test_a_state_from_another_configuration_is_refused():
             loader.load_state_dict({"epoch": 1})
 
 
-def test_iterable_dataset_resumes_between_epochs_only():
+def test_iterable_dataset_saved_mid_epoch_resumes_from_the_epochs_start():
     with aioload.DataLoader(Stream(10), batch_size=3, num_workers=1) as loader:
-        assert [b.tolist() for b in loader][0] == [0, 1, 2]
+        first = [b.tolist() for b in loader]
         between = roundtrip(loader.state_dict())
         iterator = iter(loader)
         next(iterator)
-        with pytest.raises(ValueError, match=r"^exact resume of an IterableDataset in the middle of an epoch is "
-                                             r"impossible"):
-            loader.state_dict()
+        middle = roundtrip(loader.state_dict())  # saving works; the state stands for the epoch's start
     assert between["epoch"] == 1 and between["progress"] is None
+    assert middle["epoch"] == 1 and middle["progress"]["delivered"] == {"below": 0, "also": []}
+    assert middle["progress"]["inexact"] == ITERABLE_MIDDLE
     with aioload.DataLoader(Stream(10), batch_size=3) as loader:
-        loader.load_state_dict(between)
-        assert len([b for b in loader]) == 4
+        loader.load_state_dict(between)  # between epochs: exact, no warning
+        assert [b.tolist() for b in loader] == first
+        with pytest.warns(ResumeWarning, match=r"^this state resumes epoch 1 from its start, not from where it "
+                                               r"was saved: the position inside an epoch of an IterableDataset is "
+                                               r"not saved: .* Batches delivered in that epoch before the save are "
+                                               r"delivered again$"):
+            loader.load_state_dict(middle)
+        assert [b.tolist() for b in loader] == first  # the whole epoch, its first batch again
+
+
+def test_a_sampler_that_cannot_be_written_out_saves_the_epochs_start():
+    # Not replayable and no len(): its rest cannot be written out, so the state is the epoch's start.
+    with aioload.DataLoader(Augmented(N), batch_size=BATCH, sampler=Unsized(N), seed=2) as loader:
+        iterator = iter(loader)
+        seen = [indices(next(iterator)) for _ in range(2)]
+        state = roundtrip(loader.state_dict())
+    assert seen == [(0, 1, 2), (3, 4, 5)]
+    assert state["progress"]["inexact"].startswith("the sampler cannot be replayed and has no len()")
+    with aioload.DataLoader(Augmented(N), batch_size=BATCH, sampler=Unsized(N), seed=2) as loader:
+        with pytest.warns(ResumeWarning, match=r"^this state resumes epoch 0 from its start, not from where it "
+                                               r"was saved: the sampler cannot be replayed and has no len\(\)"):
+            loader.load_state_dict(state)
+        assert [indices(b) for b in loader][:2] == seen
+
+
+def test_saving_after_every_batch_does_not_redo_the_epoch():
+    # A sampler aioload cannot replay is saved as the rest of its epoch: written out once, at the
+    # first save; later saves (torchdata.nodes saves after every item) reuse it.
+    Idx.conversions = 0
+    with aioload.DataLoader(ByIdx(), batch_size=BATCH, sampler=IdxSampler(N)) as loader:
+        counts = []
+        for _ in loader:
+            loader.state_dict()
+            counts.append(Idx.conversions)
+        final = loader.state_dict()
+    assert counts == [N - BATCH] * PER_EPOCH  # the 20 indices after the first batch, converted once
+    assert final["progress"] is None
+
+
+def nodes(loader):
+    """torchdata.nodes with the loader as its source, as its docs wrap any iterable."""
+    from torchdata.nodes import IterableWrapper, Loader, Prefetcher
+
+    return Loader(Prefetcher(IterableWrapper(loader), prefetch_factor=2))
+
+
+TORCHDATA_SOURCES = {
+    "iterable-in-process": lambda: aioload.DataLoader(Stream(10), batch_size=3),
+    "iterable-workers": lambda: aioload.DataLoader(Stream(10), batch_size=3, num_workers=1),
+    "unsized-sampler": lambda: aioload.DataLoader(Augmented(N), batch_size=BATCH, sampler=Unsized(N), seed=1),
+    "map-style": loader_factory(shuffle=True, seed=4, num_workers=1),
+}
+
+
+@pytest.mark.parametrize("name", ["iterable-in-process", "iterable-workers", "unsized-sampler"])
+def test_torchdata_nodes_take_the_loader_as_a_source(name):
+    make = TORCHDATA_SOURCES[name]
+    as_list = (lambda b: b.tolist()) if name.startswith("iterable") else key
+    with make() as loader:
+        expected = [as_list(b) for b in loader]
+    with make() as loader:
+        assert [as_list(b) for b in nodes(loader)] == expected
+
+
+def test_torchdata_nodes_resume_through_the_loaders_state():
+    make = TORCHDATA_SOURCES["map-style"]
+    with make() as loader:
+        full = [key(b) for b in loader]
+    with make() as loader:
+        pipe = nodes(loader)
+        batches = iter(pipe)
+        head = [key(next(batches)) for _ in range(3)]
+        state = roundtrip(pipe.state_dict())
+    with loader_factory(shuffle=True, seed=4, num_workers=0)() as loader:
+        pipe = nodes(loader)
+        pipe.load_state_dict(state)
+        rest = [key(b) for b in pipe]
+    assert head == full[:3] and rest == full[3:]
+    # An IterableDataset's state, saved by torchdata after every item, resumes from the epoch's start.
+    with TORCHDATA_SOURCES["iterable-workers"]() as loader:
+        pipe = nodes(loader)
+        batches = iter(pipe)
+        assert [next(batches).tolist() for _ in range(2)] == [[0, 1, 2], [3, 4, 5]]
+        state = roundtrip(pipe.state_dict())
+    with TORCHDATA_SOURCES["iterable-in-process"]() as loader:
+        pipe = nodes(loader)
+        pipe.load_state_dict(state)
+        with pytest.warns(ResumeWarning, match=r"^this state resumes epoch 0 from its start"):
+            rest = [b.tolist() for b in pipe]
+    assert rest == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
 
 
 def test_async_iteration_resumes_too():

@@ -1,0 +1,283 @@
+"""load_state_dict() checks the whole state: a malformed or impossible state is refused there,
+with a ResumeError naming the field, never later (at the next iteration, as a KeyError, an
+AttributeError, a binascii.Error or a RecursionError), and never accepted to deliver batches
+that do not exist.
+
+The fuzz takes real saved states, breaks each field in turn (dropped, of the wrong type,
+corrupt, nested too deep, out of range), and checks that each broken state is either refused
+at load with a ResumeError or loads and then iterates cleanly, within the dataset.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import reprlib
+import warnings
+
+import pytest
+import torch
+
+import aioload
+from aioload._resume import ResumeError, ResumeWarning
+from tests.random_data import Shuffled, Stream
+
+N, BATCH = 10, 3
+PER_EPOCH = 4
+
+
+class Ints(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i):
+        if isinstance(i, int):
+            if not 0 <= i < N:
+                raise IndexError(f"index {i} is out of range")
+            return i
+        return 0  # a key of another kind (a sampler's own), accepted as a keyed dataset would
+
+
+class Pairs(torch.utils.data.Sampler):
+    """A batch sampler aioload cannot replay, whose batches are tuples: saved with tags."""
+
+    def __len__(self) -> int:
+        return 3
+
+    def __iter__(self):
+        return iter([(0, 1), (2, 3, 4), (5,)])
+
+
+def saved(make, k: int, finish: bool = False, after: int = 0) -> dict:
+    """A real state: ``k`` batches taken (and the epoch run to its end with ``finish``), after
+    ``after`` whole epochs."""
+    with make() as loader:
+        for _ in range(after):
+            list(loader)
+        iterator = iter(loader)
+        for _ in range(k):
+            next(iterator)
+        if finish:
+            list(iterator)
+        return json.loads(json.dumps(loader.state_dict()))
+
+
+MAKERS = {
+    "seeded": lambda: aioload.DataLoader(Ints(), batch_size=BATCH, shuffle=True, seed=1),
+    "generator": lambda: aioload.DataLoader(Ints(), batch_size=BATCH, shuffle=True,
+                                            generator=torch.Generator().manual_seed(2)),
+    "global-rng": lambda: aioload.DataLoader(Ints(), batch_size=BATCH, shuffle=True),
+    "written": lambda: aioload.DataLoader(Ints(), batch_size=BATCH, sampler=Shuffled(N)),
+    "tuples": lambda: aioload.DataLoader(Ints(), batch_sampler=Pairs()),
+    "unbatched": lambda: aioload.DataLoader(Ints(), batch_size=None, sampler=Shuffled(N)),
+    "persistent": lambda: aioload.DataLoader(Ints(), batch_size=BATCH, shuffle=True, num_workers=1,
+                                             persistent_workers=True, generator=torch.Generator().manual_seed(3)),
+    "iterable": lambda: aioload.DataLoader(Stream(N), batch_size=BATCH),
+}
+STATES = {
+    "seeded": (lambda: saved(MAKERS["seeded"], 2)),
+    "seeded-between": (lambda: saved(MAKERS["seeded"], PER_EPOCH, finish=True)),
+    "generator": (lambda: saved(MAKERS["generator"], 1)),
+    "global-rng": (lambda: saved(MAKERS["global-rng"], 3)),
+    "written": (lambda: saved(MAKERS["written"], 1)),
+    "tuples": (lambda: saved(MAKERS["tuples"], 1)),
+    "unbatched": (lambda: saved(MAKERS["unbatched"], 4)),
+    "persistent": (lambda: saved(MAKERS["persistent"], 1, after=1)),
+    "iterable": (lambda: saved(MAKERS["iterable"], 1)),
+}
+MAKER_OF = {name: MAKERS[name.split("-")[0] if name != "global-rng" else name] for name in STATES}
+
+
+def deep(levels: int = 2000):
+    value: list = [0]
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+BAD_VALUES = [None, True, -1, 2**64, 10**6, -(10**6), "x", 1.5, [], {}, [[0]], {"tuple": "x"}, deep()]
+
+
+def paths(value, prefix=()):
+    """Every place in a state: dict keys, and the first and last items of lists."""
+    yield prefix
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from paths(item, (*prefix, key))
+    elif isinstance(value, list) and value:
+        for i in sorted({0, len(value) - 1}):
+            yield from paths(value[i], (*prefix, i))
+
+
+def replaced(state, path, value=None, drop=False):
+    state = copy.deepcopy(state)
+    target = state
+    for step in path[:-1]:
+        target = target[step]
+    if drop:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return state
+
+
+def mutations(state):
+    for path in paths(state):
+        if not path:
+            continue
+        here = state
+        for step in path:
+            here = here[step]
+        if isinstance(path[-1], str):
+            yield path, "dropped", replaced(state, path, drop=True)
+        for bad in BAD_VALUES:
+            yield path, reprlib.repr(bad), replaced(state, path, bad)
+        if isinstance(here, str) and len(here) > 100:  # a generator state in base64
+            yield path, "truncated", replaced(state, path, here[:-8])
+            yield path, "not base64", replaced(state, path, here[:-8] + "!!!!!!!!")
+            yield path, "zeroed", replaced(state, path, "A" * len(here))
+
+
+def resumes_cleanly(loader, name: str) -> None:
+    """A state that loaded: the next iteration runs without error, within the dataset."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResumeWarning)
+        batches = [b.tolist() if isinstance(b, torch.Tensor) else b for b in loader]
+    seen = [i for b in batches for i in (b if isinstance(b, list) else [b])]
+    assert all(0 <= i < N for i in seen), (name, batches)
+    assert len(batches) <= max(PER_EPOCH, N), (name, batches)
+
+
+@pytest.mark.parametrize("name", list(STATES))
+def test_every_broken_field_is_refused_at_load_or_harmless(name):
+    state = STATES[name]()
+    refused = accepted = 0
+    with MAKER_OF[name]() as loader:
+        for path, how, broken in mutations(state):
+            label = f"{name}: {'.'.join(map(str, path))} {how}"
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", ResumeWarning)
+                    loader.load_state_dict(broken)
+            except ResumeError as exc:
+                assert str(exc), label
+                refused += 1
+                continue
+            except Exception as exc:  # noqa: BLE001 - any other error is the bug under test
+                raise AssertionError(f"{label}: {type(exc).__name__}: {exc}") from exc
+            accepted += 1
+            try:
+                resumes_cleanly(loader, label)
+            except AssertionError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                raise AssertionError(f"{label} loaded, then failed: {type(exc).__name__}: {exc}") from exc
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResumeWarning)
+            loader.load_state_dict(state)  # the real state still loads into the same loader
+    assert refused > accepted  # nearly every break is refused; the rest are states that can be
+
+
+# -- the cases of the audit, one by one, with the message each gives -----------------------
+def loaded(state, make=MAKERS["seeded"]):
+    with make() as loader:
+        loader.load_state_dict(state)
+        return [b.tolist() for b in loader]
+
+
+def refused(state, message: str, make=MAKERS["seeded"]) -> None:
+    with make() as loader:
+        with pytest.raises(ResumeError, match=f"^cannot load this state: {message}; pass what "
+                                              r"loader.state_dict\(\) returned$"):
+            loader.load_state_dict(state)
+
+
+def test_a_missing_or_mistyped_field_is_named():
+    state = STATES["seeded"]()
+    refused(replaced(state, ("config",), drop=True), "the state has no 'config'")
+    refused(replaced(state, ("config",), []), "config must be a dict, got list")
+    refused(replaced(state, ("progress", "delivered"), drop=True), "progress has no 'delivered'")
+    refused(replaced(state, ("progress", "delivered", "below"), "2"),
+            "progress.delivered.below must be an int, got str")
+    refused(replaced(state, ("epoch",), 1.0), r"epoch is a float: a state holds only dicts, lists, strings, ints, "
+                                             r"bools and None")
+    refused(replaced(state, ("progress", "surprise"), 1), r"progress has unexpected keys \['surprise'\]")
+
+
+def test_corrupt_generator_states_are_named():
+    state = STATES["generator"]()
+    encoded = state["rng"]["loader"]["state"]
+    refused(replaced(state, ("rng", "loader", "state"), encoded[:-3] + "*=="),
+            r"rng.loader.state is not valid base64 \(.*\)", MAKERS["generator"])
+    refused(replaced(state, ("rng", "loader", "state"), encoded[:-8]),
+            r"rng.loader.state (is not valid base64 \(.*\)|must decode to a generator state of 5056 bytes, got \d+)",
+            MAKERS["generator"])
+    refused(replaced(state, ("rng", "loader", "state"), base64.b64encode(bytes(5056)).decode()),
+            r"rng.loader.state is not a torch generator state \(.*\)", MAKERS["generator"])
+    refused(replaced(state, ("rng", "loader", "global"), True),
+            "rng.loader.global must be False: this loader's 'loader' generator is a generator of its own",
+            MAKERS["generator"])
+
+
+def test_deep_nesting_is_refused_without_recursing():
+    state = STATES["written"]()
+    refused(replaced(state, ("progress", "batches", 0, 1), deep()),
+            r"progress.batches\[0\]\[1\](\[0\])+ is nested deeper than 32 levels", MAKERS["written"])
+    refused(replaced(state, ("config", "generators"), {"loader": deep()}),
+            r"config.generators.loader(\[0\])+ is nested deeper than 32 levels")
+
+
+def test_impossible_positions_are_refused_and_possible_ones_resume():
+    state = STATES["seeded"]()
+    with MAKERS["seeded"]() as loader:
+        full = [b.tolist() for b in loader]
+    # The checks refuse only what cannot be: a real state, and a legal edit of one, still load.
+    assert loaded(state) == full[2:]
+    assert loaded(replaced(state, ("progress", "delivered"), {"below": 1, "also": [3]})) == [full[1], full[2]]
+    written = STATES["written"]()
+    rest = loaded(written, MAKERS["written"])
+    assert [i for b in rest for i in b] == [i for _, b in written["progress"]["batches"] for i in b]
+    refused(replaced(state, ("progress", "delivered", "below"), 100),
+            r"progress.delivered.below must be an int in \[0, 4\] \(an epoch of this loader has 4 batches\), got 100")
+    refused(replaced(state, ("progress", "delivered", "also"), [7]),
+            r"progress.delivered.also\[0\] must be an int in \[3, 3\] \(an epoch of this loader has 4 batches\), got 7")
+    refused(replaced(state, ("progress", "delivered", "also"), [3, 3]), "progress.delivered.also lists a batch twice")
+    refused(replaced(state, ("epoch",), -1), r"epoch must be an int in \[0, 9223372036854775807\], got -1")
+    refused(replaced(state, ("progress", "base_seed"), 2**64),
+            r"progress.base_seed must be an int in \[0, 9223372036854775807\], got 18446744073709551616")
+
+
+def test_indices_outside_the_dataset_are_refused():
+    state = STATES["written"]()
+    first = state["progress"]["batches"][0][1]
+    for bad in (10**6, -(10**6), N):
+        refused(replaced(state, ("progress", "batches", 0, 1), [bad, *first[1:]]),
+                rf"progress.batches\[0\]\[1\]\[0\] must be an index in \[0, 9\] \(the dataset has 10 samples\), "
+                rf"got {bad}", MAKERS["written"])
+    refused(replaced(state, ("progress", "batches", 0, 1), [0, 1, 2, 3]),
+            r"progress.batches\[0\]\[1\] holds 4 indices, more than this loader's batch_size=3", MAKERS["written"])
+    refused(replaced(state, ("progress", "batches", 0, 1), []),
+            r"progress.batches\[0\]\[1\] is an empty batch", MAKERS["written"])
+
+
+def test_an_empty_or_gapped_epoch_is_refused():
+    state = STATES["written"]()
+    assert state["progress"]["delivered"] == {"below": 1, "also": []}
+    refused(replaced(replaced(state, ("progress", "delivered", "below"), 0), ("progress", "batches"), []),
+            "progress.batches is empty with nothing delivered: an epoch of this loader has 4 batches",
+            MAKERS["written"])
+    refused(replaced(state, ("progress", "batches"), state["progress"]["batches"][1:]),
+            "progress.batches leaves out batch 1: with progress.delivered, it must account for every batch "
+            "of the epoch from 0", MAKERS["written"])
+    refused(replaced(state, ("progress", "batches"), state["progress"]["batches"][::-1]),
+            r"progress.batches\[1\]\[0\] must be greater than the sequence number before it \(3\), got 2",
+            MAKERS["written"])
+
+
+def test_the_epoch_start_of_an_iterable_dataset_is_the_only_position():
+    state = STATES["iterable"]()
+    assert state["progress"]["inexact"] is not None and state["progress"]["delivered"] == {"below": 0, "also": []}
+    refused(replaced(state, ("progress", "delivered", "below"), 1),
+            r"progress must stand for the epoch's start: an IterableDataset's epoch resumes from its start only "
+            r"\(nothing delivered, no batches\)", MAKERS["iterable"])
