@@ -7,11 +7,9 @@ The runs are tests/frameworks/accelerate_run.py; each rank writes what its train
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.frameworks.launch import LAUNCH_TIMEOUT, torchrun
+from tests.frameworks.launch import LAUNCH_TIMEOUT, Ranks, start, torchrun_args
 
 pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
 
@@ -19,10 +17,9 @@ SAMPLES = 40
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def ranks(tmp_path_factory) -> Ranks:
     out = tmp_path_factory.mktemp("accelerate")
-    torchrun("accelerate_run.py", [str(out)])
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return Ranks(start(torchrun_args("accelerate_run.py", [str(out)])), out, world=2)
 
 
 def flat(steps: list) -> list[int]:
@@ -31,7 +28,7 @@ def flat(steps: list) -> list[int]:
 
 @pytest.mark.parametrize("built", ["before", "after"])
 def test_ranks_see_disjoint_halves_whether_built_before_or_after_the_accelerator(ranks, built):
-    a, b = (flat(rank[built]) for rank in ranks)
+    a, b = (flat(steps) for steps in ranks.case(built))
     assert len(a) == len(b) == SAMPLES // 2
     assert sorted(a + b) == list(range(SAMPLES))
 
@@ -39,44 +36,49 @@ def test_ranks_see_disjoint_halves_whether_built_before_or_after_the_accelerator
 def test_accumulation_steps_the_optimiser_at_the_end_of_every_epoch(ranks):
     # 5 batches an epoch and rank, 3 accumulation steps: the 5th batch syncs too.
     epoch = [False, False, True, False, True]
-    for rank in ranks:
-        steps = rank["accumulate"]
+    cases = ("accumulate", "accumulate/iterable", "accumulate/bare", "prepare_returns_it")
+    for steps, stream, bare, returned in zip(*(ranks.case(name) for name in cases)):
         assert [s["sync"] for s in steps] == epoch * 2
         assert [s["end"] for s in steps] == [False, False, False, False, True] * 2
-        stream = rank["accumulate/iterable"]  # no len(): found by reading one batch ahead
+        # no len(): found by reading one batch ahead
         assert [s["sync"] for s in stream] == epoch * 2
         assert [s["end"] for s in stream] == [False, False, False, False, True] * 2
         assert flat(stream) == list(range(20)) * 2
         # A loader given to nothing but accelerator.prepare() (which hands it back unchanged)
         # leaves Accelerate blind to the epoch's end: the last two batches never step.
-        assert [s["sync"] for s in rank["accumulate/bare"]] == [False, False, True, False, False]
-        assert rank["prepare_returns_it"] is True
+        assert [s["sync"] for s in bare] == [False, False, True, False, False]
+        assert returned is True
 
 
 def test_gather_for_metrics_drops_the_repeated_sample_of_the_padded_shards(ranks):
     # 37 samples: 19 per rank, one of rank 1's repeats a sample of rank 0's.
-    for rank in ranks:
-        assert sorted(rank["gather"]) == list(range(37))
-    assert ranks[0]["gather"] == ranks[1]["gather"]
+    gathered = ranks.case("gather")
+    for values in gathered:
+        assert sorted(values) == list(range(37))
+    assert gathered[0] == gathered[1]
 
 
 def test_skip_first_batches_skips_within_the_epoch_and_keeps_the_epoch_end(ranks):
-    for rank in ranks:
-        whole_epoch = rank["accumulate"][:5]  # the same loader's epoch 0, not skipped
-        skipped, following = rank["skip"]["skipped"], rank["skip"]["next"]
+    for whole, skip in zip(ranks.case("accumulate"), ranks.case("skip")):
+        whole_epoch = whole[:5]  # the same loader's epoch 0, not skipped
+        skipped, following = skip["skipped"], skip["next"]
         assert [s["indices"] for s in skipped] == [s["indices"] for s in whole_epoch[2:]]
         assert [s["end"] for s in skipped] == [False, False, True]
         assert skipped[-1]["sync"] is True
-        assert [s["indices"] for s in following] == [s["indices"] for s in rank["accumulate"][5:]]
+        assert [s["indices"] for s in following] == [s["indices"] for s in whole[5:]]
 
 
 def test_save_state_and_load_state_resume_every_rank_exactly(ranks):
-    for rank in ranks:
-        full, first, rest = rank["resume/full"], rank["resume/first"], rank["resume/rest"]
+    runs = [ranks.case(f"resume/{run}") for run in ("full", "first", "rest")]
+    for full, first, rest in zip(*runs):
         assert len(full) == 12 and len(first) == 7  # stopped 2 batches into the second epoch
         assert [s["indices"] for s in first + rest] == [s["indices"] for s in full]
         assert [s["end"] for s in rest] == [False, False, True, False, False]
-    assert flat(ranks[0]["resume/full"]) != flat(ranks[1]["resume/full"])
+    assert flat(runs[0][0]) != flat(runs[0][1])
+
+
+def test_the_run_exits_cleanly(ranks):
+    ranks.check_exit()
 
 
 def gathered_last_batch(length: int, world: int, batch: int, drop_last: bool):

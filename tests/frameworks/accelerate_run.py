@@ -134,6 +134,9 @@ def main(out: str) -> None:
     accelerator = Accelerator(cpu=True, project_dir=out)
     result["resume/first"] = train(accelerator, prepare(accelerator, make_loader()), steps=7)
     accelerator.save_state(os.path.join(out, "state"))
+    # The main process writes the loader's state after the others return from save_state;
+    # a resumed job is a new process, here the same one loads it at once.
+    accelerator.wait_for_everyone()
     accelerator = Accelerator(cpu=True, project_dir=out)
     loader = prepare(accelerator, make_loader())
     accelerator.load_state(os.path.join(out, "state"))
