@@ -41,6 +41,7 @@ class _Iterator:
         self._done = False
         self._yielded = 0
         self._len_called: int | None = None
+        self._batches: int | None = None  # the epoch's batches, where the sampler knows them
         self._state = {"exhausted": False}
         self._finalizer: weakref.finalize | None = None
 
@@ -50,6 +51,7 @@ class _Iterator:
         loader = self._loader
         self._len_called = _len_called(loader)
         self._timeout = loader.timeout or None
+        self._batches = None if loader._iterable else len(loader)
         self._engine, self._ready, self._transfer = loader._start_engine(self._state)
         self._finalizer = weakref.finalize(
             self, _abandon_epoch, self._engine, loader._res, self._state, loader.persistent_workers
@@ -115,6 +117,10 @@ class _Iterator:
         elif loader._pin:
             batch = _device.pin_batch(batch)
         self._yielded += 1
+        if self._batches is not None and len(self._ready.delivered) >= self._batches:
+            # Every batch is delivered: the epoch ran to its end even if nothing asks for the
+            # StopIteration (Lightning stops after len(loader) batches), so the workers stay.
+            self._state["exhausted"] = True
         loader._delivered(item.samples, waited)
         _warn_iterable_length(loader, self._yielded, self._len_called)
         return batch

@@ -268,7 +268,7 @@ def _seq(value, path: str) -> list | tuple:
 def unpack(state, exp: Expected) -> dict:
     """Check every field of a saved state against the loader described by ``exp``; returns it
     with indices decoded. Raises :class:`ResumeError` naming the field that is wrong."""
-    if not isinstance(state, dict) or state.get("aioload_state") != VERSION:
+    if not isinstance(state, dict) or type(state.get("aioload_state")) is not int or state["aioload_state"] != VERSION:
         raise ResumeError(
             f"not an aioload.DataLoader state of version {VERSION}: pass what loader.state_dict() returned"
         )

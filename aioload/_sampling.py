@@ -4,6 +4,8 @@ epoch picks up.
 * :class:`ShardSampler` splits a map-style dataset between the ranks of ``torch.distributed``
   the way ``DistributedSampler`` does (equal lengths by padding or dropping the tail), with the
   order seeded by ``(seed, epoch)`` so that every rank agrees on it.
+* :class:`ShardByRank`, a loader's default sampler, chooses between torch's own sampler and
+  this rank's :class:`ShardSampler` each epoch, from ``torch.distributed`` as it is then.
 * :class:`Planner` turns the torch loader's samplers into one epoch's :class:`Plan` of numbered
   index batches, skipping those a saved state says were already delivered, and writes and
   checks that state (``loader.state_dict()``; the format lives in :mod:`aioload._resume`).

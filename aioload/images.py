@@ -11,6 +11,7 @@ local disk, behind HTTP or in an object store, with retries and an optional cach
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import warnings
@@ -77,7 +78,17 @@ class _Images(Dataset):
 
     Locations are kept in one numpy array rather than a list of Python strings, so forked
     workers do not copy the list page by page as reference counts change (copy-on-read).
+
+    A subclass may override ``read`` (``dataset[i]`` and the loader then both go through it)
+    or ``decode``, which always receives ``(bytes, target)``, also for a local file the worker
+    reads itself.
     """
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        decode = getattr(cls, "decode", None)
+        if callable(decode) and decode is not _Images.decode and not getattr(decode, "_reads_local_files", False):
+            cls.decode = _given_bytes(decode)  # type: ignore[method-assign]
 
     def _setup(self, locations: Sequence[str], targets, transform, target_transform, decode_size,
                storage: Storage | None, cache, read_in: str = "auto") -> None:
@@ -123,7 +134,9 @@ class _Images(Dataset):
             return _LocalFile(self.path(index)), self._target(index)
         return NOT_READY
 
-    def read_blocking(self, index: int) -> tuple[bytes, Any]:
+    def read_blocking(self, index: int) -> Any:
+        if type(self).read is not _Images.read:
+            return super().read_blocking(index)  # a subclass's own read, on an event loop of its own
         return self.storage.read_bytes_blocking(self.path(index)), self._target(index)
 
     def decode(self, raw: tuple[bytes | _LocalFile, Any]) -> Any:
@@ -138,6 +151,20 @@ class _Images(Dataset):
         if self.target_transform is not None:
             target = self.target_transform(target)
         return image, target
+
+
+def _given_bytes(decode: Callable) -> Callable:
+    """A subclass's ``decode``, handed the bytes of a local file the worker reads itself (the
+    built-in ``read`` passes such a file on as a :class:`_LocalFile`, not as bytes)."""
+
+    @functools.wraps(decode)
+    def decode_bytes(self, raw):
+        if isinstance(raw, tuple) and len(raw) == 2 and isinstance(raw[0], _LocalFile):
+            raw = (read_bytes_blocking(raw[0].path), raw[1])
+        return decode(self, raw)
+
+    decode_bytes._reads_local_files = True  # type: ignore[attr-defined]
+    return decode_bytes
 
 
 class _LocalFile:

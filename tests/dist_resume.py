@@ -149,6 +149,8 @@ def main(out: str) -> None:
     with aioload.DataLoader(Indices(20), batch_size=3, shuffle=True, seed=3) as one:
         take(one, 2)
         one_process_state = json.loads(json.dumps(one.state_dict()))
+    loaded_early = aioload.DataLoader(Indices(20), batch_size=3, shuffle=True, seed=3)
+    loaded_early.load_state_dict(one_process_state)  # one process so far: accepted
 
     dist.init_process_group("gloo")
     for name, loader in early.items():
@@ -167,6 +169,8 @@ def main(out: str) -> None:
             return {"loaded": [flat(b) for b in loader]}
 
     result["load-one-process-state"] = guarded(lambda: load(one_process_state))
+    with loaded_early:  # the world changed between load_state_dict() and the epoch
+        result["iterate-one-process-state"] = guarded(lambda: {"loaded": [flat(b) for b in loaded_early]})
     with aioload.DataLoader(Indices(20), batch_size=3, shuffle=True, seed=3) as two:
         take(two, 2)
         two_process_state = json.loads(json.dumps(two.state_dict()))

@@ -90,6 +90,8 @@ def test_a_state_from_another_world_size_is_refused(ranks):
         assert ranks[rank]["load-one-process-state"] == {"error": (
             "ResumeError: this state was saved with world_size=1, but this loader runs with world_size=2: each "
             "rank's shard, and so the saved position, depends on the number of ranks; resume on 1 process")}
+        # Loaded before init_process_group, when it matched; refused when the epoch starts.
+        assert ranks[rank]["iterate-one-process-state"] == ranks[rank]["load-one-process-state"]
         error = ranks[rank]["load-two-process-state-alone"]["error"]
         assert re.fullmatch(
             r"ResumeError: this state was saved with world_size=2, but this loader runs with world_size=1: .*; "

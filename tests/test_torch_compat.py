@@ -226,6 +226,21 @@ def test_a_probe_leaves_the_running_epoch_alone(workers):
         assert [batch[1].tolist() for batch in probe] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
 
+def test_an_epoch_read_to_its_last_batch_keeps_the_workers():
+    """Lightning takes ``len(loader)`` batches and drops the iterator without asking for the
+    ``StopIteration``: that epoch ran to its end, and the next one keeps the workers."""
+    from tests.conftest import child_pids
+
+    with aioload.DataLoader(Squares(12), batch_size=4, num_workers=2) as loader:
+        it = iter(loader)
+        assert [next(it)[1].tolist() for _ in range(len(loader))] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        workers = sorted(child_pids())
+        assert len(workers) == 2
+        del it
+        assert _labels(loader) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        assert sorted(child_pids()) == workers
+
+
 def test_a_closed_probe_never_starts():
     with aioload.DataLoader(Squares(8), batch_size=4, num_workers=2) as loader:
         before = _running()
@@ -347,3 +362,66 @@ def test_each_batch_is_a_profiler_range(case):
     assert _ranges(aioload.DataLoader, workers, split, _sync) == [name] * expected
     assert _ranges(aioload.DataLoader, workers, split, _async) == [
         "enumerate(DataLoader)#aioload.DataLoader.__anext__ (waiting for a batch)"] * expected
+
+
+# ------------------------------------------------------------------- ImageFolder subclasses
+
+
+def _solid_png(value: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (7, 5), (value, value, value)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _image_folder():
+    return aioload.ImageFolder  # imported on first use (torchvision)
+
+
+class _Solid:
+    """A read that returns other bytes than the file's: a solid 7x5 image of ``10 + target``."""
+
+    async def read(self, index):
+        _, target = await super().read(index)
+        return _solid_png(10 + target), target
+
+
+class _Gray:
+    """A decode of its own over the bytes: the mean of the channels, as float."""
+
+    def decode(self, raw):
+        data, target = raw
+        return aioload.decode_image(data).float().mean(0, keepdim=True), target
+
+
+def _subclass(mixin):
+    return type(f"{mixin.__name__.strip('_')}Folder", (mixin, _image_folder()), {})
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_imagefolder_subclass_reading_its_own_bytes(image_root, workers):
+    """An overridden ``read`` is honoured by ``dataset[i]`` and by the loader alike."""
+    dataset = _subclass(_Solid)(image_root)
+    image, target = dataset[0]
+    assert torch.equal(image, torch.full((3, 5, 7), 10 + target, dtype=torch.uint8))
+    with aioload.DataLoader(dataset, batch_size=8, num_workers=workers) as loader:
+        for images, targets in loader:
+            assert torch.equal(images, (10 + targets).to(torch.uint8).view(-1, 1, 1, 1).expand(-1, 3, 5, 7))
+
+
+@pytest.mark.parametrize("read_in", ["auto", "worker", "loop"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_imagefolder_subclass_decoding_the_bytes_itself(image_root, workers, read_in):
+    """An overridden ``decode`` gets the file's bytes wherever the file is read, so
+    ``dataset[i]`` and the loader give the same samples."""
+    dataset = _subclass(_Gray)(image_root, read_in=read_in)
+    expected = [dataset[i] for i in range(len(dataset))]
+    assert expected[0][0].shape[0] == 1 and expected[0][0].dtype == torch.float32
+    with aioload.DataLoader(dataset, batch_size=None, num_workers=workers) as loader:
+        got = list(loader)
+    assert len(got) == len(expected)
+    for (image, target), (want, want_target) in zip(got, expected):
+        assert target == want_target and torch.equal(image, want)
