@@ -143,3 +143,15 @@ def test_accelerators_skip_first_batches_refuses_a_prepared_loader_instead_of_re
         assert len(skip_first_batches(prepared, 3)) == 2
         with pytest.raises(ValueError, match=r"^num_batches must be an int >= 0, got -1$"):
             skip_first_batches(prepared, -1)
+
+
+def test_a_prepared_loader_refuses_a_bare_loaders_state():
+    import aioload
+    from aioload.integrations.accelerate import PreparedLoader
+
+    with aioload.DataLoader(range(10), batch_size=2) as loader:
+        prepared = PreparedLoader(loader)
+        with pytest.raises(ValueError, match=r"^not the state of a prepared loader: pass what "
+                                             r"PreparedLoader\.state_dict\(\) returned"):
+            prepared.load_state_dict(loader.state_dict())
+        prepared.load_state_dict(prepared.state_dict())  # its own state loads

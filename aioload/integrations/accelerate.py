@@ -31,6 +31,8 @@ from typing import Any, Iterator
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
 
+from aioload._resume import ResumeError
+
 __all__ = ["PreparedLoader", "padded_remainder", "prepare", "skip_first_batches"]
 
 
@@ -84,6 +86,11 @@ class PreparedLoader(DataLoaderStateMixin):
         return {"loader": self.loader.state_dict(), "delivered": self._delivered}
 
     def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or set(state) != {"loader", "delivered"}:
+            raise ResumeError(
+                "not the state of a prepared loader: pass what PreparedLoader.state_dict() returned "
+                "(a bare loader's own state goes to loader.loader.load_state_dict)"
+            )
         self.loader.load_state_dict(state["loader"])
         self._resume_at = (state["loader"].get("epoch"), state["delivered"])
         self._delivered = state["delivered"]
