@@ -17,19 +17,20 @@ SAMPLES, BATCH = 40, 4
 CASES = [f"sharding/{built}/{uds}" for built in ("init", "hook") for uds in (True, False)]
 
 
-def fit_runs(out, devices: int) -> Ranks:
-    job = start([str(SCRIPTS / "lightning_run.py"), str(out), "--devices", str(devices), "--workers", "1"])
+def fit_runs(out, devices: int, workers: int) -> Ranks:
+    job = start([str(SCRIPTS / "lightning_run.py"), str(out), "--devices", str(devices), "--workers", str(workers)])
     return Ranks(job, out, devices)
 
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory) -> Ranks:
-    return fit_runs(tmp_path_factory.mktemp("lightning-ddp"), devices=2)
+    return fit_runs(tmp_path_factory.mktemp("lightning-ddp"), devices=2, workers=1)
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> Ranks:
-    return fit_runs(tmp_path_factory.mktemp("lightning-one"), devices=1)
+    # No worker processes: the loader loads in the training process, as torch's does.
+    return fit_runs(tmp_path_factory.mktemp("lightning-one"), devices=1, workers=0)
 
 
 def flat(steps: list[list[int]]) -> list[int]:
