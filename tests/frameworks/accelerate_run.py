@@ -1,6 +1,6 @@
 """Hugging Face Accelerate over aioload loaders; run by tests/test_accelerate.py under
 ``torchrun --nproc-per-node 2`` (gloo on the CPU: ``Accelerator(cpu=True)``, without which
-Accelerate on a machine without GPUs runs every rank as a process of its own).
+Accelerate on a machine without GPUs runs every rank as a one-process job).
 
 Each rank writes ``OUT/rank<r>.json`` with, per case, what its training loop saw:
 
