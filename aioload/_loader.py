@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import anyio
 import torch
@@ -71,8 +71,13 @@ def _positive_int(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-class DataLoader:
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class DataLoader(Generic[_T_co]):
     """A drop-in replacement for ``torch.utils.data.DataLoader``.
+
+    Generic in the dataset's sample type as torch's is (``DataLoader[tuple[Tensor, Tensor]]``).
 
     Every argument of torch's DataLoader has the same meaning and default, and the batches,
     errors, warnings and ``len()`` are torch's (``tests/test_conformance.py`` compares the two
@@ -106,7 +111,8 @@ class DataLoader:
       state resumes every rank (frameworks save rank 0's). See ``docs/reproducibility.md``.
     """
 
-    def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
+    def __init__(self, dataset: torch.utils.data.Dataset[_T_co],
+                 batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
                  batch_sampler=None, num_workers: int = 0, collate_fn=None, pin_memory: bool = False,
                  drop_last: bool = False, timeout: float = 0, worker_init_fn=None,
                  multiprocessing_context=None, generator=None, *, prefetch_factor: int | None = None,
@@ -237,13 +243,13 @@ class DataLoader:
     def closed(self) -> bool:
         return self._res.closed
 
-    def __enter__(self) -> "DataLoader":
+    def __enter__(self) -> "DataLoader[_T_co]":
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    async def __aenter__(self) -> "DataLoader":
+    async def __aenter__(self) -> "DataLoader[_T_co]":
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -366,7 +372,8 @@ class DataLoader:
             describe=getattr(self.dataset, "describe", None), tuner=self._tuner,
             read_timeout=self.read_timeout, max_errors=self.max_errors, epoch_samples=epoch_samples(t),
             auto_collation=t._auto_collation,
-            batched_fetch=settings.num_workers > 0 and not self._split and self.seed is None and _batched_fetch(self.dataset),
+            batched_fetch=(settings.num_workers > 0 and not self._split and self.seed is None
+                           and _batched_fetch(self.dataset)),
         )
 
     def _pool(self, base_seed: int, settings: _PoolSettings) -> WorkerPool:

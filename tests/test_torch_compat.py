@@ -77,6 +77,28 @@ def test_attributes_assign_as_on_torch():
             assert _assign(loader, name, value) == expected, name
 
 
+def test_a_generator_cannot_be_assigned_next_to_seed():
+    """``seed=`` and ``generator`` exclude each other, assigned or passed (aioload's own rule:
+    torch has no ``seed=``)."""
+    with aioload.DataLoader(Tagged(), shuffle=True, seed=1) as loader:
+        with pytest.raises(ValueError, match="^pass either seed or generator, not both: seed=S makes aioload "
+                                             "seed a generator per epoch$"):
+            loader.generator = torch.Generator()
+        assert loader.generator is None
+
+
+def test_an_assigned_generator_draws_the_order_as_in_torch():
+    orders = []
+    for loader_cls in (torch.utils.data.DataLoader, aioload.DataLoader):
+        torch.manual_seed(0)  # the sampler was built without a generator: it draws its seed here
+        loader = loader_cls(Tagged(), batch_size=4, shuffle=True, num_workers=2)
+        loader.generator = torch.Generator().manual_seed(11)
+        orders.append([_plain([batch[0] for batch in loader]), torch.get_rng_state()])
+        getattr(loader, "close", lambda: None)()
+    assert orders[1][0] == orders[0][0]
+    assert torch.equal(orders[1][1], orders[0][1])  # the base seed came from the assigned generator
+
+
 def _plain(value):
     """A batch as plain lists, to compare with ``==``."""
     if isinstance(value, torch.Tensor):
@@ -256,7 +278,8 @@ def test_a_probe_of_a_closed_loader_raises_when_it_starts():
     loader = aioload.DataLoader(Squares(8), batch_size=4, num_workers=2)
     probe = iter(loader)
     loader.close()
-    with pytest.raises(aioload.LoaderClosedError, match="^this DataLoader was closed; create a new one to iterate again$"):
+    with pytest.raises(aioload.LoaderClosedError,
+                       match="^this DataLoader was closed; create a new one to iterate again$"):
         next(probe)
 
 
@@ -425,3 +448,63 @@ def test_an_imagefolder_subclass_decoding_the_bytes_itself(image_root, workers, 
     assert len(got) == len(expected)
     for (image, target), (want, want_target) in zip(got, expected):
         assert target == want_target and torch.equal(image, want)
+
+
+# ------------------------------------------------------------------- typing
+
+
+def test_the_class_is_generic_like_torchs():
+    """``DataLoader[T]`` works at run time, as torch's does."""
+    alias = aioload.DataLoader[tuple[torch.Tensor, int]]
+    with alias(Squares(4), batch_size=2) as loader:
+        assert type(loader) is aioload.DataLoader
+        assert len(list(loader)) == 2
+    assert not isinstance(loader, torch.utils.data.DataLoader)  # on purpose: docs/migration.md
+
+
+_TYPED = """
+import torch
+from torch import Tensor
+
+import aioload
+
+
+class Pairs(torch.utils.data.Dataset[tuple[Tensor, int]]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        return torch.zeros(2), index
+
+
+def make() -> aioload.DataLoader[tuple[Tensor, int]]:
+    return aioload.DataLoader(Pairs(), batch_size=2)
+
+
+with make() as loader:
+    for images, labels in loader:
+        pass
+wrong: aioload.DataLoader[str] = aioload.DataLoader(Pairs())
+"""
+
+
+@pytest.mark.timeout(600)
+def test_typed_code_checks(tmp_path):
+    """Typed code written for torch's generic loader type-checks with aioload's; the sample
+    type is inferred from the dataset, so a mismatch is reported (the last line)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "typed.py").write_text(_TYPED)
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache"), "--follow-imports", "silent",
+         "--ignore-missing-imports", "--python-version", "3.11", "--no-error-summary", "typed.py"],
+        cwd=tmp_path, env={**os.environ, "MYPYPATH": root}, capture_output=True, text=True, timeout=580,
+    )
+    errors = [line for line in done.stdout.splitlines() if ": error:" in line]
+    last = len(_TYPED.strip("\n").splitlines()) + 1  # the file starts with a newline
+    assert len(errors) == 1, done.stdout + done.stderr
+    assert errors[0].startswith(f'typed.py:{last}: error: Argument 1 to "DataLoader" has incompatible type "Pairs"; '
+                                'expected "Dataset[str]"'), errors
