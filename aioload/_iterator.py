@@ -1,5 +1,6 @@
-"""The sync/async front end of one epoch: the iterator takes finished batches from the ready
-queue for ``for`` or ``async for``; dropping it, ``break``, an exception or Ctrl-C stops the engine."""
+"""The sync/async front end of one epoch: the iterator starts the epoch at its first ``next()``
+and takes finished batches from the ready queue for ``for`` or ``async for``; dropping it,
+``break``, an exception or Ctrl-C stops the engine."""
 
 from __future__ import annotations
 

@@ -238,6 +238,20 @@ def test_an_iterator_takes_its_epoch_when_it_starts(workers):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_loaded_before_the_first_next_applies(workers):
+    """``load_state_dict`` between ``iter()`` and the first ``next()``: that iterator resumes."""
+    with aioload.DataLoader(Squares(20), batch_size=4, shuffle=True, seed=1, num_workers=workers) as loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+        rest = [batch[1].tolist() for batch in it]
+    with aioload.DataLoader(Squares(20), batch_size=4, shuffle=True, seed=1, num_workers=workers) as loader:
+        it = iter(loader)
+        loader.load_state_dict(state)
+        assert [batch[1].tolist() for batch in it] == rest
+
+
+@pytest.mark.parametrize("workers", [0, 2])
 def test_a_probe_leaves_the_running_epoch_alone(workers):
     """A probe made while an epoch runs does not end it; an iterator that starts does."""
     with aioload.DataLoader(Squares(12), batch_size=4, num_workers=workers) as loader:
