@@ -1,0 +1,157 @@
+"""Hugging Face Accelerate over aioload loaders under ``torchrun --nproc-per-node 2`` (gloo on
+127.0.0.1), through ``aioload.integrations.accelerate``.
+
+The runs are tests/frameworks/accelerate_run.py; each rank writes what its training loop saw
+(indices, ``sync_gradients``, ``end_of_dataloader``, gathered values) to a file.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.frameworks.launch import LAUNCH_TIMEOUT, Ranks, start, torchrun_args
+
+pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+
+SAMPLES = 40
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> Ranks:
+    out = tmp_path_factory.mktemp("accelerate")
+    return Ranks(start(torchrun_args("accelerate_run.py", [str(out)])), out, world=2)
+
+
+def flat(steps: list) -> list[int]:
+    return [i for step in steps for i in (step["indices"] if isinstance(step, dict) else step)]
+
+
+@pytest.mark.parametrize("built", ["before", "after"])
+def test_ranks_see_disjoint_halves_whether_built_before_or_after_the_accelerator(ranks, built):
+    a, b = (flat(steps) for steps in ranks.case(built))
+    assert len(a) == len(b) == SAMPLES // 2
+    assert sorted(a + b) == list(range(SAMPLES))
+
+
+def test_accumulation_steps_the_optimiser_at_the_end_of_every_epoch(ranks):
+    # 5 batches an epoch and rank, 3 accumulation steps: the 5th batch syncs too.
+    epoch = [False, False, True, False, True]
+    cases = ("accumulate", "accumulate/iterable", "accumulate/bare", "prepare_returns_it")
+    for steps, stream, bare, returned in zip(*(ranks.case(name) for name in cases)):
+        assert [s["sync"] for s in steps] == epoch * 2
+        assert [s["end"] for s in steps] == [False, False, False, False, True] * 2
+        # no len(): found by reading one batch ahead
+        assert [s["sync"] for s in stream] == epoch * 2
+        assert [s["end"] for s in stream] == [False, False, False, False, True] * 2
+        assert flat(stream) == list(range(20)) * 2
+        # A loader given to nothing but accelerator.prepare() (which hands it back unchanged)
+        # leaves Accelerate blind to the epoch's end: the last two batches never step.
+        assert [s["sync"] for s in bare] == [False, False, True, False, False]
+        assert returned is True
+
+
+def test_gather_for_metrics_drops_the_repeated_sample_of_the_padded_shards(ranks):
+    # 37 samples: 19 per rank, one of rank 1's repeats a sample of rank 0's.
+    gathered = ranks.case("gather")
+    for values in gathered:
+        assert sorted(values) == list(range(37))
+    assert gathered[0] == gathered[1]
+
+
+def test_skip_first_batches_skips_within_the_epoch_and_keeps_the_epoch_end(ranks):
+    for whole, skip in zip(ranks.case("accumulate"), ranks.case("skip")):
+        whole_epoch = whole[:5]  # the same loader's epoch 0, not skipped
+        skipped, following = skip["skipped"], skip["next"]
+        assert [s["indices"] for s in skipped] == [s["indices"] for s in whole_epoch[2:]]
+        assert [s["end"] for s in skipped] == [False, False, True]
+        assert skipped[-1]["sync"] is True
+        assert [s["indices"] for s in following] == [s["indices"] for s in whole[5:]]
+
+
+def test_save_state_and_load_state_resume_every_rank_exactly(ranks):
+    runs = [ranks.case(f"resume/{run}") for run in ("full", "first", "rest")]
+    for full, first, rest in zip(*runs):
+        assert len(full) == 12 and len(first) == 7  # stopped 2 batches into the second epoch
+        assert [s["indices"] for s in first + rest] == [s["indices"] for s in full]
+        assert [s["end"] for s in rest] == [False, False, True, False, False]
+    assert flat(runs[0][0]) != flat(runs[0][1])
+
+
+def test_the_run_exits_cleanly(ranks):
+    ranks.check_exit()
+
+
+def gathered_last_batch(length: int, world: int, batch: int, drop_last: bool):
+    """The samples of an epoch split by torch's DistributedSampler (padded, not dropped) and
+    batched with ``drop_last``: those before the last batch gathered over the ranks, and that
+    batch (rank 0's part first, as ``gather`` puts it)."""
+    from torch.utils.data import BatchSampler, DistributedSampler
+
+    ranks = [list(BatchSampler(list(DistributedSampler(range(length), world, r, shuffle=False)), batch, drop_last))
+             for r in range(world)]
+    if not all(ranks):
+        return None, None  # drop_last left a rank without a batch
+    before = [i for r in ranks for b in r[:-1] for i in b]
+    return before, [i for r in ranks for i in r[-1]]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_remainder_cuts_exactly_the_repeats_where_a_cut_can(world):
+    from torch.utils.data import DistributedSampler
+
+    from aioload.integrations.accelerate import padded_remainder
+
+    for length in range(world, 4 * world + 9):
+        for batch in (1, 2, 3, 4):
+            for drop_last in (False, True):
+                sampler = DistributedSampler(range(length), world, 0, shuffle=False)
+                remainder = padded_remainder(length, world, batch, drop_last, sampler.num_samples, sampler.total_size)
+                before, last = gathered_last_batch(length, world, batch, drop_last)
+                if last is None:
+                    continue
+                cuts = [n for n in range(len(last) + 1) if len(set(before + last[:n])) == len(before) + n
+                        and set(before + last[:n]) == set(before + last)]
+                case = (length, batch, drop_last, remainder, last)
+                if remainder == -1:
+                    assert not cuts, case  # -1 only where no cut can drop the repeats
+                elif remainder == 0:
+                    assert len(last) in cuts, case  # nothing to drop: keep the whole batch
+                else:
+                    assert remainder in cuts, case
+
+
+def test_remainder_without_a_distributed_split_is_unknown():
+    from aioload.integrations.accelerate import padded_remainder
+
+    assert padded_remainder(37, 2, 4, False, 37, None) == -1  # a RandomSampler's num_samples
+    assert padded_remainder(37, 1, 4, False, None, None) == 0
+
+
+def test_accelerators_skip_first_batches_refuses_a_prepared_loader_instead_of_rebuilding_it():
+    from accelerate.data_loader import skip_first_batches as accelerate_skip
+
+    import aioload
+    from aioload.integrations.accelerate import PreparedLoader, skip_first_batches
+
+    with aioload.DataLoader(range(10), batch_size=2) as loader:
+        prepared = PreparedLoader(loader)
+        with pytest.raises(AttributeError, match=r"^a prepared aioload loader has no batch_sampler: to skip "
+                                                 r"batches use aioload\.integrations\.accelerate\.skip_first_batches"):
+            accelerate_skip(prepared, 2)
+        assert getattr(prepared, "batch_sampler", None) is None
+        assert [b.tolist() for b in skip_first_batches(prepared, 3)] == [[6, 7], [8, 9]]
+        assert len(skip_first_batches(prepared, 3)) == 2
+        with pytest.raises(ValueError, match=r"^num_batches must be an int >= 0, got -1$"):
+            skip_first_batches(prepared, -1)
+
+
+def test_a_prepared_loader_refuses_a_bare_loaders_state():
+    import aioload
+    from aioload.integrations.accelerate import PreparedLoader
+
+    with aioload.DataLoader(range(10), batch_size=2) as loader:
+        prepared = PreparedLoader(loader)
+        with pytest.raises(ValueError, match=r"^not the state of a prepared loader: pass what "
+                                             r"PreparedLoader\.state_dict\(\) returned"):
+            prepared.load_state_dict(loader.state_dict())
+        prepared.load_state_dict(prepared.state_dict())  # its own state loads

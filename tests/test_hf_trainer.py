@@ -1,0 +1,30 @@
+"""Hugging Face ``transformers.Trainer`` over an aioload loader (the recipe in
+docs/integrations.md): ``get_train_dataloader`` returns the loader, a callback saves its state
+into each checkpoint, and ``train(resume_from_checkpoint=...)`` goes on exactly where it stopped.
+
+The run is tests/frameworks/hf_trainer_run.py, in a process of its own.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.frameworks.launch import LAUNCH_TIMEOUT, SCRIPTS, run
+
+pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+
+
+def test_trainer_resumes_the_loader_from_its_checkpoint(tmp_path):
+    run([str(SCRIPTS / "hf_trainer_run.py"), str(tmp_path)])
+    result = json.loads((tmp_path / "result.json").read_text())
+    full, first, rest = (result[run]["seen"] for run in ("full", "first", "rest"))
+    assert len(full) == 12 and len(first) == 7  # 10 steps an epoch: stopped mid-epoch
+    assert sorted(i for batch in full[:10] for i in batch) == list(range(40))
+    assert full[10:] != full[:2]  # the second epoch is reshuffled
+    assert first + rest == full
+    # Every batch came from the aioload loader: the Trainer's own skipping (without
+    # ignore_data_skip) would have loaded the rest of the resumed epoch with a torch DataLoader.
+    assert [result[run]["delivered"] for run in ("full", "first", "rest")] == [12, 7, 5]
+    assert (tmp_path / "first" / "checkpoint-7" / "aioload_loader.pt").is_file()
