@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,7 +74,6 @@ def test_interference_case_reports_every_row(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is not installed")
 def test_profile_records_the_main_process(tmp_path):
     stdout, result = run_bench(["profile", "--row", "split", "--images", "64", "--batch-size", "8", "--workers", "1",
                                 "--epochs", "2", "--gil", "-o", str(tmp_path / "prof.txt")], tmp_path)
