@@ -176,12 +176,17 @@ def measure(make_loader, limit: int | None = None) -> Run:
         # threads that ended between two readings, and work after the last batch's reading
         threads["unattributed"] = cpu - sum(threads.values())
     finally:
-        close = getattr(loader, "close", None)
-        if close is not None:
-            close()
+        _close(loader)
         del loader
         gc.collect()
     return Run(images, seconds, cpu, dict(threads))
+
+
+def _close(loader) -> None:
+    """Close an aioload loader (torch's has nothing to close)."""
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
 
 
 def _progress(message: str) -> None:
@@ -406,9 +411,7 @@ def interference_case(args) -> dict:
                 try:
                     result = train(loader, args.steps, args.warmup, work, args.gpu_ms / 1000)
                 finally:
-                    close = getattr(loader, "close", None)
-                    if close is not None:
-                        close()
+                    _close(loader)
                     del loader
                     gc.collect()
                 runs[name].append(result)
