@@ -7,6 +7,9 @@ from typing import Any
 
 import torch
 
+from aioload._cache import MemoryCache
+from aioload._diskcache import DiskCache
+
 
 class _NotReady:
     def __repr__(self) -> str:
@@ -26,6 +29,13 @@ class Dataset(torch.utils.data.Dataset):
     * ``def decode(self, raw)`` does the CPU work (decode, augment). It runs in a worker
       process and returns the sample: tensors, numbers, strings, and dicts/tuples of them.
 
+    With ``num_workers > 0`` the reads, too, run in the worker processes by default, each on
+    the worker's own event loop (``DataLoader(read_in_workers=...)``): the training process
+    then spends no CPU on them. A dataset whose reads must share one process -- an in-memory
+    cache shared by every read (a storage with a cache keeps its reads here by itself), one
+    rate limit for all of them -- says so with
+    :attr:`read_in_workers`; ``read`` then runs on the loader's event loop in the main process.
+
     ``__getitem__`` runs both in the calling thread, so the same object also works with
     ``torch.utils.data.DataLoader``. Override :meth:`read_blocking` when a blocking read is
     cheaper than running ``read`` on a fresh event loop (the built-in datasets do).
@@ -33,6 +43,16 @@ class Dataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         raise NotImplementedError
+
+    @property
+    def read_in_workers(self) -> bool:
+        """Whether ``read`` may run in the worker processes (each on its own event loop).
+        ``False`` when the dataset holds an :class:`aioload.Storage` with a cache: a
+        :class:`aioload.MemoryCache` lives in one process, and a :class:`aioload.DiskCache`
+        counts its hits and misses (``cache.stats()``) in the process that reads. Override it
+        (a class attribute will do) when ``read`` needs state shared by every read."""
+        held = getattr(self, "__dict__", {}).values()
+        return not any(isinstance(getattr(value, "cache", None), (MemoryCache, DiskCache)) for value in held)
 
     async def read(self, index: int) -> Any:
         raise NotImplementedError

@@ -68,6 +68,8 @@ class DecodeStage:
         _, _, payloads, _, specs, overflow_wanted, seconds, *cpu = reply
         self._learn(specs, rows)
         self.stats.decoded_batch(len(payloads), seconds, cpu[0] if cpu else seconds)
+        if len(cpu) > 1 and cpu[1] is not None:
+            self.stats.worker_reads(*cpu[1])
         if payloads and timed:
             per_sample = seconds / len(payloads)
             old = self.shared.per_sample_s

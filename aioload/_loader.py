@@ -119,6 +119,13 @@ class DataLoader(Generic[_T_co]):
       tensors back as out-of-band buffers. ``num_workers`` is then the number of tasks in flight
       (0: the executor's own parallelism). ``read_on_executor=False`` reads on the trainer and
       sends the bytes with each task. See ``docs/distributed.md``.
+    * ``read_in_workers`` -- where a split dataset's ``async def read`` runs when
+      ``num_workers > 0``. ``None`` (default): in the worker processes, each on its own event
+      loop with ``io_concurrency / num_workers`` reads in flight, so that the training process
+      spends no CPU on reads (see ``docs/architecture.md``), unless the dataset's
+      ``read_in_workers`` says no or ``io_concurrency="auto"`` (the tuner resizes reads on the
+      loader's loop). ``False``: on the loader's event loop in the training process. ``True``:
+      in the workers.
     """
 
     def __init__(self, dataset: torch.utils.data.Dataset[_T_co],
@@ -131,7 +138,8 @@ class DataLoader(Generic[_T_co]):
                  seed: int | None = None, on_error: str = "raise", max_errors: int | float | None = None,
                  read_timeout: float | None = None,
                  log_every: float | None = None, progress: bool = False, shard: bool = True,
-                 executor: concurrent.futures.Executor | None = None, read_on_executor: bool = True):
+                 executor: concurrent.futures.Executor | None = None, read_on_executor: bool = True,
+                 read_in_workers: bool | None = None):
         extra: dict[str, Any] = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
         if pin_memory_device:
             extra["pin_memory_device"] = pin_memory_device
@@ -215,6 +223,9 @@ class DataLoader(Generic[_T_co]):
         self._iterable = isinstance(dataset, IterableDataset)
         self.executor = executor
         self.read_on_executor = read_on_executor
+        if read_in_workers is not None and not isinstance(read_in_workers, bool):
+            raise TypeError(f"read_in_workers must be True, False or None, got {read_in_workers!r}")
+        self.read_in_workers = read_in_workers
         if executor is not None:
             self._res.executor = _executor.ExecutorStage(executor, dataset, self._torch.collate_fn, self._split,
                                                          read_here=read_on_executor)
@@ -381,6 +392,14 @@ class DataLoader(Generic[_T_co]):
             self._res.discard_pool()
         return now
 
+    def _reads_in_workers(self, settings: _PoolSettings) -> bool:
+        """Whether the workers await ``dataset.read`` themselves (:mod:`aioload._workerreads`)."""
+        if not self._split or self._iterable or self.executor is not None or settings.num_workers == 0:
+            return False
+        if self.read_in_workers is not None:
+            return self.read_in_workers
+        return bool(getattr(self.dataset, "read_in_workers", True)) and not is_auto(self.io_concurrency)
+
     def _spec(self, settings: _PoolSettings) -> Spec:
         t = self._torch
         if self.executor is not None:
@@ -396,11 +415,15 @@ class DataLoader(Generic[_T_co]):
         workers = max(1, settings.num_workers)
         batch = t.batch_size or 1
         io, depth = self._limits()
+        pool = self._res.pool  # started for this epoch already: its workers read, or not
+        in_workers = pool is not None and settings.num_workers > 0 and pool.reads_here
+        reads = self._split and not in_workers  # reads on the engine's loop, to keep busy
         return Spec(
             dataset=self.dataset, split=self._split, mode=mode, batch_size=t.batch_size,
             num_workers=workers, io_concurrency=io,
-            permits=batches_in_flight(workers, io, batch, reads=self._split, quick=False) + depth,
-            permits_quick=batches_in_flight(workers, io, batch, reads=self._split, quick=True) + depth,
+            permits=batches_in_flight(workers, io, batch, reads=reads, quick=False) + depth,
+            permits_quick=batches_in_flight(workers, io, batch, reads=reads, quick=True) + depth,
+            read_in_workers=in_workers,
             in_order=self.in_order, on_error=self.on_error,
             pin=self._pin, prefetch_tasks=(t.prefetch_factor or 2) * workers,
             describe=getattr(self.dataset, "describe", None), tuner=self._tuner,
@@ -448,6 +471,8 @@ class DataLoader(Generic[_T_co]):
                 base_seed=base_seed if self.seed is None else derive_seed(self.seed, 2**31),
                 exact_seeds=self.seed is not None,
                 keep_rng=self.persistent_workers and self.seed is None,
+                read_in_workers=self._reads_in_workers(settings),
+                io_limit=-(-self._limits()[0] // settings.num_workers), read_timeout=self.read_timeout,
             )
             res.pool = WorkerPool(cfg, settings.num_workers, choose_context(settings.multiprocessing_context))
             res.workers = settings.num_workers

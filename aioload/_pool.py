@@ -65,6 +65,7 @@ class WorkerPool:
         watch_exit()  # stopped before a multiprocessing child joins its children (NOTE [exit hooks])
         self.num_workers = num_workers
         self.context = context
+        self.reads_here = cfg.read_in_workers  # the workers await dataset.read themselves
         self.procs: list[mp.process.BaseProcess] = []
         self.socks: list[socket.socket] = []
         self.ctrls: list[socket.socket] = []

@@ -57,8 +57,8 @@ class ReadStage:
         """``(index, raw)`` pairs; the indices themselves when the dataset has no read stage
         (the worker pairs them with ``None``: a plain list pickles at a third of the cost).
         With ``on_error="skip"`` failed reads are left out and recorded."""
-        if not self.spec.split:
-            return indices  # plain indices: the workers call __getitem__
+        if not self.spec.split or self.spec.read_in_workers:
+            return indices  # plain indices: the workers call __getitem__, or read themselves
         results = self._read_nowait(indices)
         waiting = [i for i, r in zip(indices, results) if r is NOT_READY]
         if waiting:

@@ -472,6 +472,18 @@ class StatsRecorder:
         self.reads += 1
         self.bytes_read += nbytes
         self.read_s += seconds
+        self._latency(seconds)
+
+    def worker_reads(self, latencies: list[float], nbytes: int) -> None:
+        """Reads a worker process made for one task (``read_in_workers``): counted as reads,
+        their latencies in the percentiles; never in flight as seen from here."""
+        self.reads += len(latencies)
+        self.bytes_read += nbytes
+        self.read_s += sum(latencies)
+        for seconds in latencies:
+            self._latency(seconds)
+
+    def _latency(self, seconds: float) -> None:
         latencies = self._latencies
         if len(latencies) < self.RING:
             latencies.append(seconds)

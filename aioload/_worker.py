@@ -6,6 +6,8 @@ loader stops it or its socket closes (the parent went away): a worker never outl
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import itertools
 import os
@@ -24,6 +26,7 @@ from aioload._chunks import ChunkWriter, Unsupported
 from aioload._layout import Layout, RowWriter, SlotWriter, column_views
 from aioload._seeding import sample_seed, seed_everything, seed_worker
 from aioload._shm import Segment, recv_fd
+from aioload._workerreads import FailedRead, WorkerReads
 
 SLOT_HEADER = struct.Struct("<qq")
 
@@ -44,6 +47,9 @@ class WorkerConfig:
     base_seed: int
     exact_seeds: bool = False  # seed= given: fetch and seed every sample alone (no __getitems__)
     keep_rng: bool = False  # persistent_workers=True: RNG streams go on across epochs, as in torch
+    read_in_workers: bool = False  # the workers await dataset.read themselves (aioload._workerreads)
+    io_limit: int = 1  # with read_in_workers: reads in flight per worker
+    read_timeout: float | None = None  # with read_in_workers: seconds one read may take
 
 
 def _batched_fetch(ds) -> bool:
@@ -69,6 +75,9 @@ COLLATING = -2
 
 _CELL_MAX = (1 << 63) - 1
 
+MARK_EVERY = 0.05
+"""Seconds between updates of the progress cell while a task waits for its reads."""
+
 
 def _cell(index) -> int:
     """What a progress cell (an int64) holds for ``index``: the index when it is an ``int``
@@ -91,6 +100,9 @@ class _Worker:
         self.per_sample_seeds = True
         self.iterator = None
         self.seeded: int | None = None  # the base seed the worker's RNGs were last seeded from
+        self.reads: WorkerReads | None = None  # with cfg.read_in_workers, once worker_init_fn has run
+        self.closed = False  # the parent went away: serve what has arrived, then stop
+        self.pending: collections.deque = collections.deque()  # (message, reading) taken in, not yet served
 
     # -- set-up -------------------------------------------------------------------------
     def start_epoch(self, base_seed: int, per_sample_seeds: bool) -> None:
@@ -156,6 +168,8 @@ class _Worker:
         if self.per_sample_seeds and index is not None:
             seed_everything(sample_seed(self.base_seed, index))
         if self.cfg.split:
+            if isinstance(raw, FailedRead):
+                raise raw.error
             return ds.decode(raw)
         return ds[index]
 
@@ -178,7 +192,7 @@ class _Worker:
                     payloads.append(b"")
                 except Exception as exc:  # noqa: BLE001
                     payloads.append(None)
-                    errors.append((pos, index, self.stage(), pack_exception(exc)))
+                    errors.append((pos, index, self.stage(raw), pack_exception(exc)))
             return samples, payloads, errors
         # Bare indices, no seeding: the loop that torch's fetcher runs, plus one store per
         # sample saying which index this worker is on.
@@ -198,7 +212,10 @@ class _Worker:
             payloads[pos] = None
         return samples, payloads, errors
 
-    def stage(self) -> str:
+    def stage(self, raw=None) -> str:
+        """The stage a sample failed in: its read (in this worker), decode or __getitem__."""
+        if isinstance(raw, FailedRead):
+            return "read"
         return "decode" if self.cfg.split else "__getitem__"
 
     def run_rows(self, task_id, slot, items, row0):
@@ -222,7 +239,7 @@ class _Worker:
                 data = writer.dump(sample, row0 + pos)
             except Exception as exc:  # noqa: BLE001
                 payloads.append(None)
-                errors.append((pos, index, self.stage(), pack_exception(exc)))
+                errors.append((pos, index, self.stage(raw), pack_exception(exc)))
                 continue
             # b"" stands for "the same skeleton as the previous row": uniform batches then
             # cost the parent one unpickle instead of one per row.
@@ -329,11 +346,11 @@ class _Worker:
         return self.finish_batch(task_id, slot, self.writer(slot), samples, [], started, None)
 
     def serve(self) -> None:
-        while True:
-            msg = self.reader.recv_blocking()
-            if msg is None or msg[0] == "stop":
-                return
+        while (message := self.next_message()) is not None:
+            msg, reading = message
             kind = msg[0]
+            if kind == "stop":
+                return
             if kind == "epoch":
                 self.start_epoch(msg[1], msg[2])
                 continue
@@ -344,6 +361,9 @@ class _Worker:
             self.task = task_id
             self.drop(drops)
             cpu = time.process_time()
+            reads = None
+            if reading is not None:
+                payload, reads = self.with_reads(payload, reading)
             if kind == "rows":
                 items, row0, *chunked = payload
                 chunked = chunked[0] if chunked else False
@@ -360,8 +380,52 @@ class _Worker:
             else:  # pragma: no cover - a bug in the engine
                 raise RuntimeError(f"unknown task kind {kind!r}")
             if reply[0] == "done":
-                reply += (time.process_time() - cpu,)  # CPU seconds: compared to wall time in stats
+                # CPU seconds (compared to wall time in stats), then the reads made here
+                reply += (time.process_time() - cpu, reads)
             _wire.send_blocking(self.sock, reply)
+
+    # -- reads in this worker (cfg.read_in_workers) ------------------------------------------
+    def next_message(self) -> tuple | None:
+        """The next message and, for a task, its reads started here (else ``None``); ``None``
+        once the parent has gone away. With reads in this worker, every task that has
+        arrived has its reads started before the worker turns to the first of them: they run
+        on the worker's loop while this thread decodes."""
+        if not self.pending:
+            msg = None if self.closed else self.reader.recv_blocking()
+            if msg is None:
+                return None
+            self.pending.append(self.take(msg))
+        self.look_ahead()
+        return self.pending.popleft()
+
+    def look_ahead(self) -> None:
+        """Take in the messages that have arrived, starting their tasks' reads."""
+        if self.reads is not None and not self.closed:
+            arrived = self.reader.recv_nowait()
+            if arrived is None:
+                self.closed = True  # serve what has arrived, then stop
+            else:
+                self.pending.extend(self.take(msg) for msg in arrived)
+
+    def take(self, msg) -> tuple:
+        """``(msg, reading)``: a task's reads start now when this worker does them."""
+        if self.reads is None or msg[0] not in ("rows", "whole"):
+            return msg, None
+        return msg, self.reads.start(list(msg[3][0]))
+
+    def with_reads(self, payload: tuple, reading) -> tuple:
+        """The task's payload with its bare indices paired with what their reads returned,
+        as if the engine had read them, and the reads' ``(latencies, bytes)``."""
+        indices = payload[0]
+        while True:
+            try:
+                raws, latencies, nbytes = reading.result(timeout=MARK_EVERY)
+                break
+            except concurrent.futures.TimeoutError:
+                # what this worker waits for, should timeout= expire
+                self.mark(self.reads.waiting_for(indices, indices[0]))
+        self.look_ahead()  # tasks sent while this one's reads ran: their reads overlap its decode
+        return (list(zip(indices, raws)),) + tuple(payload[1:]), (latencies, nbytes)
 
 
 def _receive_progress(ctrl):
@@ -398,10 +462,14 @@ def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=()) -> 
     except Exception as exc:  # noqa: BLE001
         _wire.send_blocking(sock, ("init_error", pack_exception(exc)))
         return
+    if cfg.read_in_workers:
+        worker.reads = WorkerReads(cfg.dataset, cfg.io_limit, cfg.read_timeout)
     _wire.send_blocking(sock, ("ready", os.getpid()))
     try:
         worker.serve()
     except (BrokenPipeError, ConnectionResetError):
         pass
     finally:
+        if worker.reads is not None:
+            worker.reads.close()
         worker.drop(list(worker.segments))

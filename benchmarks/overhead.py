@@ -235,10 +235,12 @@ class Data:
 def split_rows(data: Data, args) -> dict[str, dict]:
     """name -> {"torch": factory, "aioload": factory, "limit": images or None}."""
     common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.workers, drop_last=True)
+    before = args.loader_reads  # also aioload with read_in_workers=False: reads on the engine's loop
     rows = {
         "split Dataset (aiofiles read)": {
             "torch": lambda: torch.utils.data.DataLoader(data.split, **common),
-            "aioload": lambda: aioload.DataLoader(data.split, **common), "limit": None},
+            "aioload": lambda: aioload.DataLoader(data.split, **common), "limit": None,
+            "loader reads": (lambda: aioload.DataLoader(data.split, read_in_workers=False, **common)) if before else None},
         "ImageFolder (reads in workers)": {
             "torch": lambda: torch.utils.data.DataLoader(data.folder, **common),
             "aioload": lambda: aioload.DataLoader(data.folder, **common), "limit": None},
@@ -251,7 +253,9 @@ def split_rows(data: Data, args) -> dict[str, dict]:
         rows[f"ImageFiles, HTTP {latency:g} ms"] = {
             "torch": lambda recipe=recipe: torch.utils.data.DataLoader(recipe, **cut),
             "aioload": lambda files=files: aioload.DataLoader(files, io_concurrency=args.io_concurrency, **cut),
-            "limit": args.http_images}
+            "limit": args.http_images,
+            "loader reads": (lambda files=files: aioload.DataLoader(files, io_concurrency=args.io_concurrency,
+                                                                    read_in_workers=False, **cut)) if before else None}
     return rows
 
 
@@ -267,8 +271,8 @@ def split_case(args) -> dict:
                 if i == len(names) // 2:
                     ceilings.append(ceiling(data.paths, data.transform, args.workers))
                     _progress(f"round {r + 1}/{args.rounds} ceiling {ceilings[-1]:8.1f} img/s")
-                order = ("torch", "aioload") if (r + i) % 2 == 0 else ("aioload", "torch")
-                for loader in order:
+                order = ["torch", "aioload"] + (["loader reads"] if rows[name].get("loader reads") else [])
+                for loader in (order if (r + i) % 2 == 0 else order[::-1]):
                     result = measure(rows[name][loader], rows[name]["limit"])
                     runs[name, loader].append(result)
                     _progress(f"round {r + 1}/{args.rounds} {name:<32} {loader:<8} {result.rate:8.1f} img/s "
@@ -290,6 +294,10 @@ def split_case(args) -> dict:
             "aioload_threads_ms_per_image": {g: median(x.ms_per_image(x.threads_s.get(g, 0.0)) for x in a)
                                              for g in groups},
         })
+        if runs.get((name, "loader reads")):
+            b = runs[name, "loader reads"]
+            out[-1]["loader_reads_img_s"] = median(x.rate for x in b)
+            out[-1]["loader_reads_cpu_ms_per_image"] = median(x.ms_per_image(x.cpu_s) for x in b)
     return {"case": "split", "ceiling_img_s": ceil, "ceilings": ceilings, "rows": out}
 
 
@@ -305,6 +313,15 @@ def print_split(result: dict, args) -> None:
         print(f"{row['row']:32} {row['aioload_img_s']:8.1f} {row['torch_img_s']:8.1f} {row['ratio']:5.2f}x "
               f"{row['aioload_of_ceiling']:8.0%} {row['torch_of_ceiling']:10.0%} "
               f"{row['aioload_cpu_ms_per_image']:14.3f} {row['torch_cpu_ms_per_image']:16.3f}")
+    before = [row for row in result["rows"] if "loader_reads_img_s" in row]
+    if before:
+        print("\nthe same rows with read_in_workers=False (reads on the engine's loop in the training process):\n")
+        print(f"{'row':32} {'img/s':>8} {'of torch':>8} {'of ceil':>8} {'main CPU ms/img':>15}")
+        ceil = result["ceiling_img_s"]
+        for row in before:
+            rate = row["loader_reads_img_s"]
+            print(f"{row['row']:32} {rate:8.1f} {rate / row['torch_img_s']:7.2f}x {rate / ceil if ceil else 0:8.0%} "
+                  f"{row['loader_reads_cpu_ms_per_image']:15.3f}")
     print("\naioload's main-process CPU by thread, ms per image (medians):\n")
     groups = sorted({g for row in result["rows"] for g in row["aioload_threads_ms_per_image"]})
     print(f"{'row':32} " + " ".join(f"{g:>10}" for g in groups))
@@ -384,6 +401,9 @@ def interference_rows(data: Data, args) -> dict:
         "synthetic batch": lambda: _synthetic(args.step_batch),
         "torch DataLoader, split Dataset": lambda: torch.utils.data.DataLoader(data.split, **common),
         "aioload, split Dataset": lambda: aioload.DataLoader(data.split, **common),
+        **({"aioload, split, reads on the loader": lambda: aioload.DataLoader(data.split, read_in_workers=False,
+                                                                             **common)}
+           if args.loader_reads else {}),
         "torch DataLoader, ImageFolder": lambda: torch.utils.data.DataLoader(data.folder, **common),
         "aioload, ImageFolder": lambda: aioload.DataLoader(data.folder, **common),
     }
@@ -392,6 +412,10 @@ def interference_rows(data: Data, args) -> dict:
                                    decode_size=data.decode_size)
         rows[f"aioload, ImageFiles HTTP {latency:g} ms"] = (
             lambda files=files: aioload.DataLoader(files, io_concurrency=args.io_concurrency, **common))
+        if args.loader_reads:
+            rows[f"aioload, HTTP {latency:g} ms, loader reads"] = (
+                lambda files=files: aioload.DataLoader(files, io_concurrency=args.io_concurrency,
+                                                       read_in_workers=False, **common))
     return rows
 
 
@@ -604,6 +628,10 @@ def main(argv=None) -> int:
     parser.add_argument("--latency", type=float, default=20.0,
                         help="interference and profile --row http: the HTTP latency in ms")
     parser.add_argument("--no-http", action="store_true", help="interference: leave out the HTTP row")
+    parser.add_argument("--no-loader-reads", dest="loader_reads", action="store_false",
+                        help="split and interference: leave out the rows of aioload with read_in_workers=False "
+                             "(reads on the engine's loop in the training process, as before the reads moved "
+                             "into the workers)")
     parser.add_argument("--dispatch-ms", type=float, default=2.0)
     parser.add_argument("--gpu-ms", type=float, default=8.0)
     parser.add_argument("--step-batch", type=int, default=4, help="interference: images per training step")

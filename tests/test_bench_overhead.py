@@ -48,10 +48,15 @@ def test_split_case_reports_every_row(tmp_path):
         assert math.isclose(row["ratio"], row["aioload_img_s"] / row["torch_img_s"])
         # the engine's own thread does work in the main process on every path
         assert positive(row["aioload_threads_ms_per_image"]["engine"]), row
+    # the rows with reads on the engine's loop (read_in_workers=False), beside them
+    for row in (result["rows"][0], result["rows"][2]):
+        assert positive(row["loader_reads_img_s"]) and positive(row["loader_reads_cpu_ms_per_image"]), row
+    assert "loader_reads_img_s" not in result["rows"][1]  # ImageFolder has no such variant
     assert result["rows"][2]["images_per_epoch"] == 16
     table = stdout.split("## Split protocol")[1]
     for name in names:
-        assert table.count(name) == 2, name  # the main table and the per-thread table
+        # the main table and the per-thread table, and the read_in_workers=False table
+        assert table.count(name) == (2 if name.startswith("ImageFolder") else 3), name
 
 
 @pytest.mark.timeout(300)
@@ -60,7 +65,8 @@ def test_interference_case_reports_every_row(tmp_path):
                                 "2", "--rounds", "1", "--workers", "1", "--latency", "0", "--dispatch-ms", "1",
                                 "--gpu-ms", "2"], tmp_path)
     names = ["synthetic batch", "torch DataLoader, split Dataset", "aioload, split Dataset",
-             "torch DataLoader, ImageFolder", "aioload, ImageFolder", "aioload, ImageFiles HTTP 0 ms"]
+             "aioload, split, reads on the loader", "torch DataLoader, ImageFolder", "aioload, ImageFolder",
+             "aioload, ImageFiles HTTP 0 ms", "aioload, HTTP 0 ms, loader reads"]
     assert [row["row"] for row in result["rows"]] == names
     rows = {row["row"]: row for row in result["rows"]}
     assert rows["synthetic batch"]["of_synthetic"] == 1.0

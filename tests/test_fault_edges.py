@@ -364,7 +364,8 @@ UNPICKLABLE = (r"dataset\.read\(5\) returned a tuple holding a _thread\.lock, wh
 
 
 def test_a_read_result_that_cannot_be_pickled_names_the_index_and_the_type():
-    with aioload.DataLoader(_ListedSplit(unpicklable={5}), batch_size=4, num_workers=2, timeout=30) as loader:
+    with aioload.DataLoader(_ListedSplit(unpicklable={5}), batch_size=4, num_workers=2, timeout=30,
+                            read_in_workers=False) as loader:
         batches = iter(loader)
         assert next(batches).tolist() == [[0], [1], [2], [3]]
         with pytest.raises(TypeError) as info:
@@ -385,7 +386,7 @@ def test_a_read_result_that_cannot_be_pickled_names_the_index_and_the_type():
 def test_a_read_result_that_cannot_be_pickled_is_skipped_and_counted(caplog):
     import logging
 
-    with aioload.DataLoader(_ListedSplit(unpicklable={5, 9}), batch_size=4, num_workers=2, timeout=30,
+    with aioload.DataLoader(_ListedSplit(unpicklable={5, 9}), batch_size=4, num_workers=2, timeout=30, read_in_workers=False,
                             on_error="skip") as loader:
         pids = None
         with caplog.at_level(logging.WARNING, logger="aioload"):

@@ -256,16 +256,19 @@ def test_worker_killed_between_epochs_is_replaced(make, before, caplog):
 # -- a read or decode that never returns --------------------------------------------------------
 
 HANGS = [
-    pytest.param("decode-hang", FaultyDataset, None, r"decode in worker [01] \(pid \d+\)", id="decode"),
-    pytest.param("decode-hang", FaultyMapDataset, None, r"__getitem__ in worker [01] \(pid \d+\)", id="getitem"),
-    pytest.param("read-hang", FaultyDataset, None, r"read", id="read"),
+    pytest.param("decode-hang", FaultyDataset, {}, r"read or decode in worker [01] \(pid \d+\)", id="decode"),
+    pytest.param("decode-hang", FaultyMapDataset, {}, r"__getitem__ in worker [01] \(pid \d+\)", id="getitem"),
+    pytest.param("read-hang", FaultyDataset, {}, r"read or decode in worker [01] \(pid \d+\)", id="read-in-worker"),
+    pytest.param("read-hang", FaultyDataset, {"read_in_workers": False}, r"read", id="read"),
+    pytest.param("decode-hang", FaultyDataset, {"read_in_workers": False}, r"decode in worker [01] \(pid \d+\)",
+                 id="decode-after-loader-read"),
 ]
 
 
-@pytest.mark.parametrize("fault, dataset, context, stage", HANGS)
-def test_timeout_names_the_stuck_index_and_stage(make, before, fault, dataset, context, stage):
+@pytest.mark.parametrize("fault, dataset, options, stage", HANGS)
+def test_timeout_names_the_stuck_index_and_stage(make, before, fault, dataset, options, stage):
     ds = make({13: fault}, dataset)
-    with aioload.DataLoader(ds, batch_size=BATCH, num_workers=2, timeout=3, multiprocessing_context=context) as loader:
+    with aioload.DataLoader(ds, batch_size=BATCH, num_workers=2, timeout=3, **options) as loader:
         it = iter(loader)
         assert indices(next(it)) == list(range(8))
         with pytest.raises(aioload.DataLoaderTimeoutError) as info:

@@ -159,8 +159,9 @@ def test_async_iteration_never_blocks_the_event_loop(backend, options):
     # Each read waits for a tick of the caller's loop: the epoch can only end if the caller's
     # loop keeps running while `async for` waits for batches.
     ticks = [0]
+    # the reads wait on this process's ticker: they must run on the loader's loop here
     with aioload.DataLoader(GatedReads(20, ticks), batch_size=5, num_workers=1, io_concurrency=1,
-                            read_timeout=60) as loader:
+                            read_timeout=60, read_in_workers=False) as loader:
         batches, ticked = _ticking(loader, backend, options, ticks)
     assert flat_labels(batches) == list(range(20))
     assert ticked > 19
