@@ -479,6 +479,19 @@ class StatsRecorder:
             latencies[self._ring_pos] = seconds
             self._ring_pos = (self._ring_pos + 1) % self.RING
 
+    def worker_reads(self, latencies: list[float], nbytes: int) -> None:
+        """Reads a worker did itself (a task's ``Done.reads``): counted as the loop's are."""
+        self.reads += len(latencies)
+        self.bytes_read += nbytes
+        self.read_s += sum(latencies)
+        ring = self._latencies
+        for seconds in latencies:
+            if len(ring) < self.RING:
+                ring.append(seconds)
+            else:
+                ring[self._ring_pos] = seconds
+                self._ring_pos = (self._ring_pos + 1) % self.RING
+
     def decoded_batch(self, samples: int, seconds: float, cpu_s: float | None = None) -> None:
         """``samples`` decoded in ``seconds`` of wall time, of which ``cpu_s`` on a CPU."""
         with self._lock:
