@@ -306,7 +306,8 @@ class PoolSession:
             heapq.heappush(heap, request)
 
     def _start(self, wid: int, request: _Request) -> None:
-        task = request.task._replace(drops=self._drops[wid])
+        queued = request.task
+        task = Task(queued.kind, queued.task_id, queued.slot, queued.payload, self._drops[wid])
         try:
             data = _wire.encode(task)
         except Exception as exc:  # noqa: BLE001 - an index or read result that does not pickle
