@@ -1,19 +1,23 @@
 """The engine: one epoch of reading, dispatching and assembling, on its own thread and loop.
 
-Stages, in the order data moves (each a coroutine):
+Stages, in the order data moves, each an object given what it needs when the epoch's loop
+starts (:meth:`Engine._build`):
 
-* ``_produce`` pulls index batches from the sampler, one permit per batch (the bound on
-  everything between the sampler and the consumer), here;
-* ``_read`` awaits ``dataset.read(i)``, at most ``io_concurrency`` at once
-  (:mod:`aioload._reads`);
-* ``_rows`` / ``_whole`` send a batch or chunks of it to the worker pool and assemble the
-  finished batch from its shared-memory slot (:mod:`aioload._decode`); ``_iter_batches`` does
-  the same for an IterableDataset (:mod:`aioload._iterable`);
-* ``_deliver`` starts the device copy and puts the batch in the :class:`ReadyQueue`, here.
+* the sampler stage pulls index batches from the plan, one permit per batch (the bound on
+  everything between the sampler and the consumer), here (``_produce``, ``_batch``);
+* :class:`~aioload._reads.ReadStage` awaits ``dataset.read(i)``, at most ``io_concurrency``
+  at once;
+* :class:`~aioload._decode.DecodeStage` sends a batch or chunks of it to the worker pool and
+  assembles the finished batch from its shared-memory slot;
+  :class:`~aioload._iterable.IterableStage` does the same for an IterableDataset, and an
+  :class:`~aioload._executor.ExecutorEpoch` for ``executor=``;
+* the hand-off starts the device copy and puts the batch in the :class:`ReadyQueue`, here
+  (``_deliver``, ``_put``).
 
-The stages in other modules are mixins of :class:`Engine`: their state is the engine's, set in
-``__init__`` and ``_entry``. What the engine shares with the loader and the consumer is in
-:mod:`aioload._spec`; where a stuck epoch is held up, in :mod:`aioload._stuck`.
+The engine owns the lifetime: the thread, the loop, the task groups, the permits and the pool
+session. The stages never reach back into it: what they share is passed to them (the
+:class:`~aioload._stuck.InFlight` record the stuck report reads, the ``deliver`` callback).
+What the engine shares with the loader and the consumer is in :mod:`aioload._spec`.
 
 The engine thread is started with a handshake and joined by :meth:`Engine.stop`; every task
 lives in a task group; whatever happens, the ready queue learns that the epoch ended.
@@ -27,17 +31,17 @@ import threading
 from typing import Any
 
 from aioload._budget import ErrorBudget
-from aioload._dataset import Dataset
-from aioload._decode import DecodeStage
+from aioload._decode import DecodeStage, LayoutLesson
 from aioload._errors import TooManyErrorsError, WorkerCrashedError, forget_locals
 from aioload._iterable import IterableStage
 from aioload._limiter import Limiter
+from aioload._messages import StartEpoch
 from aioload._pool import PoolSession, WorkerPool
 from aioload._reads import ReadStage
 from aioload._ready import SKIP, ReadyQueue
 from aioload._spec import Failure, Plan, Ready, Shared, Spec, Turn, _Cancelled, resize_permits
 from aioload._stats import StatsRecorder
-from aioload._stuck import StuckReport
+from aioload._stuck import InFlight, StuckReport, describe_stuck
 
 try:
     import uvloop
@@ -55,7 +59,7 @@ def new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
 
 
-class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
+class Engine:
     """One epoch on its own thread and loop: the loader starts it, the iterator stops it."""
 
     def __init__(self, spec: Spec, plan: Plan, pool: WorkerPool | None, shared: Shared,
@@ -67,17 +71,10 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
         self.ready = ready
         self.stats = stats
         self.transfer = transfer
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
-        self._permits: Limiter | None = None
-        self._io: Limiter | None = None
-        self._session: PoolSession | None = None
         self.clean = True  # False when workers may still be writing into slots
         self.drain_timeout = DRAIN_TIMEOUT  # 0 once a sample is known to be stuck
         self.budget = ErrorBudget(spec.on_error, spec.max_errors, spec.epoch_samples, stats.skip)
-        self._open: dict[int, list] = {}  # batches started and not yet handed to the ready queue
-        self._reading: dict[Any, str] = {}  # index -> "read" or "waiting for a read slot"
+        self._inflight = InFlight()  # written by the stages, read by the stuck report
         # torch's dispatch wherever a user can tell: without seed= (per-sample seeds), which
         # worker loads a batch decides its random draws, so batch i goes whole to worker i mod N
         # and each worker loads its batches in order (see Turn). in_order=False lets torch
@@ -85,6 +82,19 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
         self._round_robin = (pool is not None and spec.in_order and spec.mode in ("rows", "whole")
                              and not plan.per_sample_seeds)
         self._turns: list[Turn | None] = [None] * spec.num_workers  # round-robin: each worker's last batch
+        # Made on the engine's loop, all in _build, before the thread's handshake:
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._permits: Limiter | None = None  # batches between the sampler and the consumer
+        self._io: Limiter | None = None  # reads in flight
+        self._session: PoolSession | None = None  # None without a worker pool
+        self._reads: ReadStage | None = None
+        self._lesson: LayoutLesson | None = None  # None without a worker pool
+        self._decode: DecodeStage | None = None  # None without a worker pool
+        self._iterable: IterableStage | None = None  # an IterableDataset's epoch only
+        self._executor = None  # an aioload._executor.ExecutorEpoch with executor=
+        self._stuck: StuckReport | None = None
 
     # -- lifetime, called from the consumer's thread ----------------------------------------
     def start(self) -> None:
@@ -125,6 +135,34 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def outstanding(self, timeout: float = 1.0) -> list[tuple[Any, str]] | None:
+        """Where the oldest unfinished batch is held up: ``(index, stage)`` pairs, asked of
+        the engine's own loop (see :class:`~aioload._stuck.StuckReport`). ``None`` when the
+        loop does not answer within ``timeout`` (something blocks it, such as a blocking call
+        inside ``async def read``)."""
+        loop, report = self._loop, self._stuck
+        if loop is None or report is None or not self.running:
+            return []
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+
+        def ask() -> None:
+            try:
+                answer.set_result(report.where())
+            except BaseException as exc:  # noqa: BLE001 - reported to the asking thread
+                answer.set_exception(exc)
+
+        try:
+            loop.call_soon_threadsafe(ask)
+            return answer.result(timeout)
+        except RuntimeError:
+            return []  # the loop has already finished
+        except concurrent.futures.TimeoutError:
+            return None
+
+    def describe_stuck(self, stuck: list[tuple[Any, str]]) -> str:
+        """``stuck`` (from :meth:`outstanding`) in words, one clause per stage."""
+        return describe_stuck(stuck, self.spec.describe)
+
     # -- the thread ----------------------------------------------------------------------------
     def _run(self, started: threading.Event) -> None:
         loop = new_loop()
@@ -145,12 +183,7 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
 
     async def _entry(self, started: threading.Event) -> None:
         self._task = asyncio.current_task()
-        self._permits = Limiter(self._permit_limit())
-        self._io = Limiter(self.spec.io_concurrency)
-        nowait = getattr(self.spec.dataset, "read_nowait", None)
-        self._nowait = None if getattr(nowait, "__func__", None) is Dataset.read_nowait else nowait
-        self._teachers = 0  # workers the batches teaching the layout have given work to
-        self._lesson = asyncio.Event()  # set (and replaced) when the layout is learned or a teacher ends
+        self._build()
         started.set()
         try:
             total = await self._tuned()
@@ -162,6 +195,27 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
             self.ready.finish(total)
         finally:
             await self._release_holds()
+
+    def _build(self) -> None:
+        """The epoch's loop-bound objects and its stages, each given what it uses."""
+        spec, stats, budget, inflight = self.spec, self.stats, self.budget, self._inflight
+        self._permits = permits = Limiter(self._permit_limit())
+        self._io = Limiter(spec.io_concurrency)
+        self._reads = reads = ReadStage(spec, stats, budget, self._io, inflight, pickled=self.pool is not None)
+        if self.pool is not None:
+            self._session = session = PoolSession(self.pool)
+            self._lesson = lesson = LayoutLesson(self.shared, spec.num_workers)
+            self._decode = DecodeStage(
+                spec, self.shared, stats, budget, reads, session, register=self.pool.register, permits=permits,
+                lesson=lesson, deliver=self._deliver, on_quick=self._note_quick, round_robin=self._round_robin,
+            )
+            if spec.mode == "iter":
+                self._iterable = IterableStage(spec, session, permits, self.ready, self._decode, lesson, inflight,
+                                               self._put)
+        if spec.mode == "executor":
+            self._executor = spec.executor.epoch(reads, stats, budget, self._deliver, base_seed=self.plan.base_seed,
+                                                 pin=self.transfer is not None and spec.pin)
+        self._stuck = StuckReport(spec, self.pool, self._session, inflight)
 
     def _permit_limit(self) -> int:
         """Batches in flight plus ready: the tuner's number, or the spec's; more once batches
@@ -191,17 +245,17 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
                 tuning.cancel()
 
     async def _main(self) -> int:
-        if self.pool is None:
+        session = self._session
+        if session is None:
             async with asyncio.TaskGroup() as batches:
                 return await self._produce(batches)
-        session = self._session = PoolSession(self.pool)
         async with asyncio.TaskGroup() as outer:
             serve = outer.create_task(session.serve())
             try:
-                await session.broadcast(("epoch", self.plan.base_seed, self.plan.per_sample_seeds))
+                await session.broadcast(StartEpoch(self.plan.base_seed, self.plan.per_sample_seeds))
                 async with asyncio.TaskGroup() as batches:
-                    if self.spec.mode == "iter":
-                        total = await self._iter_batches(batches)
+                    if self._iterable is not None:
+                        total = await self._iterable.run(batches)
                     else:
                         total = await self._produce(batches)
                 failed = await session.started()
@@ -241,9 +295,13 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
         return turn
 
     async def _batch(self, seq: int, indices, turn: Turn | None = None) -> None:
-        self._open[seq] = indices if isinstance(indices, list) else [indices]
+        self._inflight.batches[seq] = indices if isinstance(indices, list) else [indices]
         try:
-            item = await self._learn_first(self._make, seq, indices, turn, shares=self._shares(indices))
+            lesson = self._lesson
+            if lesson is not None and lesson.learning():
+                item = await lesson.run(self._make, seq, indices, turn, shares=self._decode.shares(indices))
+            else:
+                item = await self._make(seq, indices, turn)
         except (WorkerCrashedError, TooManyErrorsError):
             raise
         except Exception as exc:  # noqa: BLE001 - this batch fails, the epoch goes on
@@ -251,48 +309,22 @@ class Engine(ReadStage, DecodeStage, IterableStage, StuckReport):
                 raise  # no worker will serve this epoch again
             item = Failure(forget_locals(exc))
         finally:
-            self._open.pop(seq, None)
+            self._inflight.batches.pop(seq, None)
             if turn is not None:
                 turn.sent()  # a batch that failed or sent nothing holds up no other
         if item is SKIP:
             self._permits.release()  # nothing for the consumer to take
         self._put(seq, item)
 
-    async def _learn_first(self, make, *args, shares: int = 1):
-        """Until a reply has shown the batch layout, batches that teach it start at once, as
-        long as there are workers for them (``shares``: the workers a batch's first tasks
-        occupy, one sample each); the others wait for the layout, and are then written straight
-        into slots. Every worker thus gets work at once, as in torch: workers that wait for one
-        another (a barrier in per-worker set-up) do not deadlock."""
-        while self._learning():
-            if self._teachers and self._teachers + shares > self.spec.num_workers:
-                await self._lesson.wait()
-                continue
-            self._teachers += shares
-            try:
-                return await make(*args)
-            finally:
-                self._teachers -= shares
-                self._lesson_learned()
-        return await make(*args)
-
-    def _lesson_learned(self) -> None:
-        """Wake the batches waiting for the layout (it is known, or a teacher is done)."""
-        self._lesson.set()
-        self._lesson = asyncio.Event()
-
-    def _learning(self) -> bool:
-        shared = self.shared
-        return self.pool is not None and shared.layout is None and not shared.no_leaves
-
     async def _make(self, seq: int, indices, turn: Turn | None):
-        if self.spec.mode == "executor":
-            return await self.spec.executor.make(self, seq, indices)
-        if self.spec.mode == "read":
-            return await self._read_only(indices)
-        if self.spec.mode == "rows":
-            return await self._rows(seq, indices, turn=turn)
-        return await self._whole(seq, indices, turn)
+        mode = self.spec.mode
+        if mode == "executor":
+            return await self._executor.make(seq, indices)
+        if mode == "read":
+            return await self._reads.read_only(indices)
+        if mode == "rows":
+            return await self._decode.rows(seq, indices, turn=turn)
+        return await self._decode.whole(seq, indices, turn)
 
     # -- stage 4: hand-off ------------------------------------------------------------------
     def _put(self, seq: int, item) -> None:

@@ -32,13 +32,14 @@ import pickle
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.utils.data._utils.collate import default_collate
 
 from aioload._dataset import NOT_READY
 from aioload._errors import pack_exception
+from aioload._messages import TaskError
 from aioload._seeding import sample_seed, seed_everything
 
 RETRIES = 2
@@ -111,11 +112,20 @@ class Job:
             setattr(self, name, value)
 
 
-def run_job(job: Job, blob: bytes | None = None, local: tuple | None = None, nonce: str = ""):
-    """Load one batch in an executor process: ``(batch, errors, samples, seconds, cpu_seconds)``.
+class JobResult(NamedTuple):
+    """What a :class:`Job` sends back from the executor's process."""
 
-    ``errors`` are ``(position, index, stage, packed exception)``, as the built-in workers
-    report them; with ``on_error="raise"`` the first failure ends the task."""
+    batch: Any  # the collated batch, tensors as numpy arrays (see _Array); None when it failed
+    errors: list  # TaskError, as the built-in workers report them
+    samples: int  # the samples the batch holds
+    seconds: float  # wall time of the task
+    cpu_s: float  # CPU seconds of the thread that ran it
+
+
+def run_job(job: Job, blob: bytes | None = None, local: tuple | None = None, nonce: str = ""):
+    """Load one batch in an executor process: a :class:`JobResult` (``NEED_DATASET`` when
+    this process lacks the loader's dataset). With ``on_error="raise"`` the first failure
+    ends the task."""
     known = _dataset_for(job.token, blob, local)
     if known is None:
         return NEED_DATASET
@@ -135,7 +145,7 @@ def run_job(job: Job, blob: bytes | None = None, local: tuple | None = None, non
         try:
             samples.append(dataset.decode(raw) if split else dataset[index])
         except Exception as exc:  # noqa: BLE001 - reported with the sample's index
-            errors.append((pos, index, "decode" if split else "__getitem__", pack_exception(exc)))
+            errors.append(TaskError(pos, index, "decode" if split else "__getitem__", pack_exception(exc)))
             if not job.skip:
                 break
     batch = None
@@ -143,10 +153,10 @@ def run_job(job: Job, blob: bytes | None = None, local: tuple | None = None, non
         try:
             batch = collate(samples)
         except Exception as exc:  # noqa: BLE001 - the batch's error
-            errors.append((0, [index for index, _ in items], "collate_fn", pack_exception(exc)))
+            errors.append(TaskError(0, [index for index, _ in items], "collate_fn", pack_exception(exc)))
     if batch is not None and job.to_numpy:
         batch = _outward(batch)
-    return batch, errors, len(samples), time.perf_counter() - started, time.thread_time() - cpu_started
+    return JobResult(batch, errors, len(samples), time.perf_counter() - started, time.thread_time() - cpu_started)
 
 
 _FAILED = object()
@@ -172,7 +182,7 @@ def _read_all(dataset, indices: list, errors: list, skip: bool) -> list:
         if isinstance(raw, BaseException):
             if not isinstance(raw, Exception):
                 raise raw
-            errors.append((pos, indices[pos], "read", pack_exception(raw)))
+            errors.append(TaskError(pos, indices[pos], "read", pack_exception(raw)))
             raws[pos] = _FAILED
             if not skip:
                 return [_FAILED] * len(raws)
@@ -297,39 +307,9 @@ class ExecutorStage:
             self._blob = pickle.dumps((self._dataset, self._collate, self.split), protocol=pickle.HIGHEST_PROTOCOL)
         return self._blob
 
-    async def make(self, engine, seq: int, indices):
-        """One batch of ``engine``'s epoch, made by the executor and delivered like any other."""
-        from aioload._device import pin_batch
-        from aioload._ready import SKIP
-
-        batch_indices = engine._batch_indices(indices)
-        if self.split and not self.read_here:
-            items = await engine._read_items(batch_indices)  # the trainer reads; the bytes go along
-        else:
-            items = [(index, None) for index in batch_indices]
-        if not items:
-            return SKIP
-        # A process seeds each sample's draws from (epoch seed, index), as the built-in workers do
-        # with seed=; threads share the trainer's generators, which must not be reseeded.
-        job = Job(self.token, items, self.split and self.read_here, engine.plan.base_seed, not self.threads,
-                  engine.spec.on_error == "skip", not self.threads)
-        engine._reading.update((index, self.where) for index, _ in items)
-        try:
-            batch, errors, samples, seconds, cpu = await self.run(job, batch_indices)
-        finally:
-            for index, _ in items:
-                engine._reading.pop(index, None)
-        engine.stats.decoded_batch(samples, seconds, cpu)
-        if errors:
-            self._failed(engine, sorted(errors, key=lambda e: e[0]))
-        if batch is None:
-            return SKIP
-        batch = inward(batch)
-        self.bytes_received += batch_bytes(batch)
-        self.batches += 1
-        if engine.transfer is not None and engine.spec.pin:
-            batch = pin_batch(batch)  # a side-stream copy from page-locked memory overlaps
-        return engine._deliver(batch, samples)
+    def epoch(self, reads, stats, budget, deliver: Callable, *, base_seed: int, pin: bool) -> "ExecutorEpoch":
+        """This stage's part in one epoch (see :class:`ExecutorEpoch`)."""
+        return ExecutorEpoch(self, reads, stats, budget, deliver, base_seed=base_seed, pin=pin)
 
     def figures(self) -> dict:
         """This stage's part of ``loader.stats()``."""
@@ -340,19 +320,6 @@ class ExecutorStage:
 
         return dict(executor=self.where, executor_tasks=self.batches, executor_bytes=self.bytes_received,
                     task_p50_ms=pct(0.5), task_p99_ms=pct(0.99))
-
-    def _failed(self, engine, errors: list) -> None:
-        """Raise the batch's first failure (``on_error="raise"``), or record each one skipped."""
-        from aioload._budget import where
-        from aioload._errors import unpack_exception
-
-        for _, index, stage, packed in errors:
-            if isinstance(index, list):
-                place = f"while running {stage} for the batch of dataset indices {index}"
-            else:
-                place = f"while running {stage} for dataset index {index}{where(engine.spec.describe, index)}"
-            exc = unpack_exception(packed, f"{place} on {self.where}")
-            engine.budget.failed(index if isinstance(index, list) else [index], exc)
 
     async def run(self, job: Job, indices: list):
         """Send ``job``; its result, sending it again with the dataset where a process lacks
@@ -430,6 +397,74 @@ class ExecutorStage:
                     self.executor.submit(forget, self.token)
                 except RuntimeError:  # the pool is shut down: its processes are gone
                     break
+
+
+class ExecutorEpoch:
+    """One epoch's decode stage with ``executor=``: a task per batch to the loader's
+    :class:`ExecutorStage`. Given: ``reads`` (the epoch's :class:`~aioload._reads.ReadStage`:
+    a batch's indices, the reads done on the trainer, and where each sample is for the stuck
+    report), ``stats``, the error ``budget``, ``deliver`` (a finished batch to the
+    :class:`~aioload._spec.Ready` the queue gets), the epoch's ``base_seed``, and ``pin``:
+    page-lock each batch (a device copy follows)."""
+
+    def __init__(self, stage: ExecutorStage, reads, stats, budget, deliver: Callable, *, base_seed: int,
+                 pin: bool):
+        self.stage = stage
+        self.reads = reads
+        self.stats = stats
+        self.budget = budget
+        self.deliver = deliver
+        self.base_seed = base_seed
+        self.pin = pin
+
+    async def make(self, seq: int, indices):
+        """Batch ``seq``, made by the executor and delivered like any other."""
+        from aioload._device import pin_batch
+        from aioload._ready import SKIP
+
+        stage, reads = self.stage, self.reads
+        batch_indices = reads.batch_indices(indices)
+        if stage.split and not stage.read_here:
+            items = await reads.items(batch_indices)  # the trainer reads; the bytes go along
+        else:
+            items = [(index, None) for index in batch_indices]
+        if not items:
+            return SKIP
+        # A process seeds each sample's draws from (epoch seed, index), as the built-in workers do
+        # with seed=; threads share the trainer's generators, which must not be reseeded.
+        job = Job(stage.token, items, stage.split and stage.read_here, self.base_seed, not stage.threads,
+                  self.budget.skip, not stage.threads)
+        where = reads.inflight.samples
+        where.update((index, stage.where) for index, _ in items)
+        try:
+            result = await stage.run(job, batch_indices)
+        finally:
+            for index, _ in items:
+                where.pop(index, None)
+        self.stats.decoded_batch(result.samples, result.seconds, result.cpu_s)
+        if result.errors:
+            self._failed(sorted(result.errors, key=lambda e: e.pos))
+        if result.batch is None:
+            return SKIP
+        batch = inward(result.batch)
+        stage.bytes_received += batch_bytes(batch)
+        stage.batches += 1
+        if self.pin:
+            batch = pin_batch(batch)  # a side-stream copy from page-locked memory overlaps
+        return self.deliver(batch, result.samples)
+
+    def _failed(self, errors: list[TaskError]) -> None:
+        """Raise the batch's first failure (``on_error="raise"``), or record each one skipped."""
+        from aioload._errors import unpack_exception
+
+        for error in errors:
+            index, stage = error.index, error.stage
+            if isinstance(index, list):
+                place = f"while running {stage} for the batch of dataset indices {index}"
+            else:
+                place = f"while running {stage} for dataset index {index}{self.reads.where(index)}"
+            exc = unpack_exception(error.packed, f"{place} on {self.stage.where}")
+            self.budget.failed(index if isinstance(index, list) else [index], exc)
 
 
 def _wake(loop: asyncio.AbstractEventLoop, done: asyncio.Future, _future) -> None:

@@ -5,33 +5,49 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import Callable
 
+from aioload._messages import Stopped
 from aioload._ready import SKIP
 from aioload._spec import Failure
 
 
 class IterableStage:
-    """The IterableDataset epoch of :class:`~aioload._engine.Engine`, whose state it uses."""
+    """One IterableDataset epoch. Given: the epoch's ``session`` (the pool), ``permits`` (one
+    per batch between here and the consumer), the ``ready`` queue, the ``decode`` stage (slots
+    and assembly), the ``lesson`` (the layout learned from the first batches), ``inflight``
+    (open batches, for the stuck report) and ``put`` (a finished batch to the ready queue,
+    returning its permit when the consumer was already waiting)."""
 
-    async def _iter_batches(self, tg: asyncio.TaskGroup) -> int:
-        """IterableDataset: torch's scheme. Each task asks one worker for the next batch of
-        its own copy; tasks go round-robin to the workers that have not run out; a worker
-        that ran out yields nothing for its task and gets no more tasks."""
+    def __init__(self, spec, session, permits, ready, decode, lesson, inflight, put: Callable):
+        self.spec = spec
+        self.session = session
+        self.permits = permits
+        self.ready = ready
+        self.decode = decode
+        self.lesson = lesson
+        self.inflight = inflight
+        self.put = put
+        self.active = [True] * spec.num_workers  # False once a worker's copy has run out
+
+    async def run(self, tg: asyncio.TaskGroup) -> int:
+        """Tasks go round-robin to the workers that have not run out; a worker that ran out
+        yields nothing for its task and gets no more tasks. The number of batches started."""
         n = self.spec.num_workers
-        active = [True] * n
+        active = self.active
         cycle = itertools.cycle(range(n))
         seq = 0
         outstanding: set[asyncio.Task] = set()
         while any(active):
-            await self._permits.acquire()
+            await self.permits.acquire()
             for _ in range(n):
                 wid = next(cycle)
                 if active[wid]:
                     break
             else:
-                self._permits.release()
+                self.permits.release()
                 break
-            task = tg.create_task(self._iter_batch(seq, wid, active))
+            task = tg.create_task(self._batch(seq, wid))
             outstanding.add(task)
             task.add_done_callback(outstanding.discard)
             seq += 1
@@ -41,38 +57,42 @@ class IterableStage:
             await asyncio.wait(outstanding)
         return seq
 
-    async def _iter_batch(self, seq: int, wid: int, active: list) -> None:
-        if not active[wid]:
-            self.ready.put(seq, SKIP)
-            self._permits.release()
-            return
-        await self._learn_first(self._iter_batch_in, seq, wid, active)
+    def _nothing(self, seq: int) -> None:
+        """Batch ``seq`` yields nothing: the consumer skips it and its permit comes back."""
+        self.ready.put(seq, SKIP)
+        self.permits.release()
 
-    async def _iter_batch_in(self, seq: int, wid: int, active: list) -> None:
-        slot = self._slot()
+    async def _batch(self, seq: int, wid: int) -> None:
+        if not self.active[wid]:
+            self._nothing(seq)
+            return
+        await self.lesson.run(self._batch_in, seq, wid)
+
+    async def _batch_in(self, seq: int, wid: int) -> None:
+        decode = self.decode
+        slot = decode.slot()
         desc = None
         if slot is not None:
             layout = slot.layout
             desc = (slot.id, layout.describe(), (layout.fixed_bytes, layout.size))
-        self._open[seq] = []
+        self.inflight.batches[seq] = []
         try:
-            reply = await self._session.submit("iter", desc, None, [], seq, worker=wid)
+            reply = await self.session.submit("iter", desc, None, [], seq, worker=wid)
         except BaseException:
-            self._release_slot(slot)
+            decode.release_slot(slot)
             raise
         finally:
-            self._open.pop(seq, None)
-        if reply[0] == "stop":
-            active[wid] = False
-            self._release_slot(slot)
-            self.ready.put(seq, SKIP)
-            self._permits.release()
+            self.inflight.batches.pop(seq, None)
+        if isinstance(reply, Stopped):
+            self.active[wid] = False
+            decode.release_slot(slot)
+            self._nothing(seq)
             return
         try:
-            self._note_reply(reply, 1)
-            if reply[3]:
-                self._raise_first(self._errors(reply))
-            item = self._assemble(slot, [(0, reply[2][0])], rows_mode=False, samples=0)
+            decode.note_reply(reply, 1)
+            if reply.errors:
+                decode.raise_first(decode.task_errors(reply))
+            item = decode.assemble(slot, [(0, reply.payloads[0])], rows_mode=False, samples=0)
         except Exception as exc:  # noqa: BLE001
             item = Failure(exc)
-        self._put(seq, item)
+        self.put(seq, item)

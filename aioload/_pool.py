@@ -19,6 +19,7 @@ import weakref
 
 from aioload import _wire
 from aioload._errors import WorkerCrashedError, crash_message, describe_exit, unpack_exception
+from aioload._messages import Done, InitError, Shutdown, Stopped, Task, WorkerReady
 from aioload._resources import watch_exit
 from aioload._shm import Segment, send_fd
 from aioload._worker import PROGRESS_ID, SLOT_HEADER, WorkerConfig, worker_main
@@ -135,7 +136,7 @@ class WorkerPool:
         self.closed = True
         if os.getpid() != self.owner:
             return  # a copy inherited by a forked process (another loader's worker): not ours to stop
-        stop = _wire.encode(("stop",))
+        stop = _wire.encode(Shutdown())
         for sock in self.socks:
             try:
                 sock.setblocking(True)
@@ -173,10 +174,10 @@ def _join_all(procs, timeout: float) -> None:
 
 
 class _Request:
-    __slots__ = ("priority", "seq", "message", "indices", "future", "worker")
+    __slots__ = ("priority", "seq", "task", "indices", "future", "worker")
 
-    def __init__(self, priority, seq, message, indices, future):
-        self.priority, self.seq, self.message = priority, seq, message
+    def __init__(self, priority, seq, task: Task, indices, future):
+        self.priority, self.seq, self.task = priority, seq, task  # task.drops filled in when sent
         self.indices, self.future, self.worker = indices, future, None
 
     def __lt__(self, other):
@@ -242,7 +243,7 @@ class PoolSession:
         finally:
             self._flushing[wid] = None
 
-    async def submit(self, kind: str, slot, payload, indices, priority, worker=None) -> tuple:
+    async def submit(self, kind: str, slot, payload, indices, priority, worker=None) -> Done | Stopped:
         """Queue one task; returns the worker's reply. Lower ``priority`` is served first;
         ``worker`` pins the task to one worker (an IterableDataset's batches come from the
         worker whose copy produced them; round-robin dispatch gives batch i to worker i mod N)."""
@@ -250,13 +251,14 @@ class PoolSession:
 
     def enqueue(self, kind: str, slot, payload, indices, priority, worker=None) -> asyncio.Future:
         """:meth:`submit` without the wait: the task is queued when this returns, and the
-        future gets the reply. Tasks pinned to one worker reach it in ``priority`` order
+        future gets the reply (:class:`~aioload._messages.Done`, or ``Stopped`` for an
+        ``iter`` task whose worker ran out). Tasks pinned to one worker reach it in ``priority`` order
         among those queued; cancelling the future withdraws a task not yet sent."""
         if self.pool.broken is not None:
             raise self.pool.broken
         future = asyncio.get_running_loop().create_future()
         task_id = next(self._ids)
-        request = _Request(priority, task_id, (kind, task_id, slot, payload), indices, future)
+        request = _Request(priority, task_id, Task(kind, task_id, slot, payload), indices, future)
         request.worker = worker
         if worker is not None:
             self._has_pinned = True
@@ -305,16 +307,17 @@ class PoolSession:
             heapq.heappush(heap, request)
 
     def _start(self, wid: int, request: _Request) -> None:
-        kind, task_id, slot, payload = request.message
+        queued = request.task
+        task = Task(queued.kind, queued.task_id, queued.slot, queued.payload, self._drops[wid])
         try:
-            data = _wire.encode((kind, task_id, slot, payload, self._drops[wid]))
+            data = _wire.encode(task)
         except Exception as exc:  # noqa: BLE001 - an index or read result that does not pickle
             request.future.set_exception(_wire.unsendable(exc, request.indices))
             return  # nothing was sent: the worker stays free and the pool stays usable
         request.worker = wid
         self._idle.clear()
         self._drops[wid] = []
-        self._inflight[wid][task_id] = request
+        self._inflight[wid][task.task_id] = request
         self._post(wid, data)
 
     async def serve(self) -> None:
@@ -363,16 +366,15 @@ class PoolSession:
 
     def _handle(self, wid: int, msg) -> bool:
         """One message from worker ``wid``; ``False`` when nothing more is read from it."""
-        tag = msg[0]
-        if tag == "ready":
+        if isinstance(msg, WorkerReady):
             self.pool.ready[wid] = True
             self._reported.set()
             self._dispatch()
-        elif tag == "init_error":
-            self._fail_all(unpack_exception(msg[1], f"raised by worker_init_fn in worker {wid}"))
+        elif isinstance(msg, InitError):
+            self._fail_all(unpack_exception(msg.packed, f"raised by worker_init_fn in worker {wid}"))
             return False
-        else:
-            request = self._inflight[wid].pop(msg[1], None)
+        else:  # Done or Stopped
+            request = self._inflight[wid].pop(msg.task_id, None)
             if request is not None and not request.future.done():
                 request.future.set_result(msg)
             self._dispatch()

@@ -8,35 +8,52 @@ import time
 
 from aioload import _wire
 from aioload._budget import where
-from aioload._dataset import NOT_READY
+from aioload._dataset import NOT_READY, Dataset
 from aioload._errors import DataLoaderTimeoutError
 from aioload._spec import Ready
 
 
 class ReadStage:
-    """The read stage of :class:`~aioload._engine.Engine`, whose state it uses."""
+    """One epoch's reads. ``io`` (a :class:`~aioload._limiter.Limiter`) bounds the reads in
+    flight; each read says where it is in ``inflight.samples`` (for the stuck report);
+    ``pickled``: what ``read`` returns goes to a worker process, so it must pickle."""
 
-    def _where(self, index) -> str:
+    def __init__(self, spec, stats, budget, io, inflight, *, pickled: bool):
+        self.spec = spec
+        self.stats = stats
+        self.budget = budget
+        self.io = io
+        self.inflight = inflight
+        self.pickled = pickled
+        # The workers are sent bare indices (they pair them with None): a dataset without a
+        # read stage is loaded by __getitem__, and one marked read_in_workers reads there.
+        self.bare = not spec.split or spec.read_in_workers
+        nowait = getattr(spec.dataset, "read_nowait", None)
+        # None unless the dataset overrides read_nowait (the base class's has nothing at hand)
+        self.nowait = None if getattr(nowait, "__func__", None) is Dataset.read_nowait else nowait
+
+    def where(self, index) -> str:
         """`` (path)`` when the dataset's ``describe`` knows where ``index`` lives."""
         return where(self.spec.describe, index)
 
     async def _read(self, index):
-        self._reading[index] = f"waiting for a read slot (io_concurrency={self.spec.io_concurrency})"
+        reading = self.inflight.samples
+        reading[index] = f"waiting for a read slot (io_concurrency={self.spec.io_concurrency})"
         try:
-            async with self._io:
-                self._reading[index] = "read"
+            async with self.io:
+                reading[index] = "read"
                 self.stats.read_started()
                 started = time.perf_counter()
                 try:
                     raw = await self._read_within(index)
                 except Exception as exc:
                     self.stats.read_done(time.perf_counter() - started, 0)
-                    exc.add_note(f"while reading dataset index {index}{self._where(index)}")
+                    exc.add_note(f"while reading dataset index {index}{self.where(index)}")
                     raise
                 self.stats.read_done(time.perf_counter() - started, _nbytes(raw))
                 return raw
         finally:
-            self._reading.pop(index, None)
+            reading.pop(index, None)
 
     async def _read_within(self, index):
         limit = self.spec.read_timeout
@@ -53,19 +70,20 @@ class ReadStage:
                 stuck=[(index, "read")],
             ) from None
 
-    async def _read_items(self, indices) -> list:
+    async def items(self, indices) -> list:
         """``(index, raw)`` pairs; the indices themselves when the dataset has no read stage
-        (the worker pairs them with ``None``: a plain list pickles at a third of the cost).
-        With ``on_error="skip"`` failed reads are left out and recorded."""
-        if not self.spec.split or self.spec.read_in_workers:
-            return indices  # plain indices: the workers call __getitem__, or read themselves
+        or its workers read (``bare``: the worker pairs them with ``None``; a plain list
+        pickles at a third of the cost). With ``on_error="skip"`` failed reads are left out and
+        recorded."""
+        if self.bare:
+            return indices
         results = self._read_nowait(indices)
         waiting = [i for i, r in zip(indices, results) if r is NOT_READY]
         if waiting:
             read = iter(await asyncio.gather(*(self._read(i) for i in waiting), return_exceptions=True))
             results = [next(read) if r is NOT_READY else r for r in results]
         items = []
-        pickled = self.pool is not None  # what read() returned goes to a worker, pickled
+        pickled = self.pickled
         for index, result in zip(indices, results):
             if isinstance(result, BaseException):
                 if isinstance(result, asyncio.CancelledError) or not isinstance(result, Exception):
@@ -89,13 +107,13 @@ class ReadStage:
             "and open files, locks or clients in decode()"
         )
         exc.__cause__ = error
-        exc.add_note(f"while reading dataset index {index}{self._where(index)}")
+        exc.add_note(f"while reading dataset index {index}{self.where(index)}")
         return exc
 
     def _read_nowait(self, indices) -> list:
         """What ``dataset.read_nowait`` has at hand for each index (``NOT_READY`` for the
         rest): a local file the worker will open needs no trip through the event loop."""
-        nowait = self._nowait
+        nowait = self.nowait
         if nowait is None:
             return [NOT_READY] * len(indices)
         results = []
@@ -103,7 +121,7 @@ class ReadStage:
             try:
                 raw = nowait(index)
             except Exception as exc:  # noqa: BLE001 - reported like a failed read
-                exc.add_note(f"while reading dataset index {index}{self._where(index)}")
+                exc.add_note(f"while reading dataset index {index}{self.where(index)}")
                 raw = exc
             if raw is not NOT_READY:
                 self.stats.read_started()
@@ -111,14 +129,14 @@ class ReadStage:
             results.append(raw)
         return results
 
-    def _batch_indices(self, indices) -> list:
+    def batch_indices(self, indices) -> list:
         """The indices of one batch: a batch sampler's list (or tuple, or tensor), or, without
         automatic batching, the one index the sampler gave (which may itself be a list)."""
         return list(indices) if self.spec.auto_collation else [indices]
 
-    async def _read_only(self, indices) -> Ready:
-        batch_indices = self._batch_indices(indices)
-        items = await self._read_items(batch_indices)
+    async def read_only(self, indices) -> Ready:
+        """``num_workers=0`` with a split dataset: the batch's reads, decoded by the consumer."""
+        items = await self.items(self.batch_indices(indices))
         return Ready(batch=indices, samples=len(items), raw=items)
 
 

@@ -36,7 +36,9 @@ class Spec:
     auto_collation: bool = True  # False with batch_size=None: each index (even a list) is one sample
     batched_fetch: bool = False  # the dataset's __getitems__ gets each batch whole, as in torch
     executor: Any = None  # an aioload._executor.ExecutorStage with executor=
-    read_in_workers: bool = False  # the workers await dataset.read themselves: send bare indices
+    # A split dataset whose workers read: the read stage sends them bare indices (as for a
+    # dataset without a read stage) and calls neither read nor read_nowait here.
+    read_in_workers: bool = False
 
 
 class Turn:

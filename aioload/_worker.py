@@ -24,6 +24,7 @@ from aioload import _wire
 from aioload._errors import pack_exception
 from aioload._chunks import ChunkWriter, Unsupported
 from aioload._layout import Layout, RowWriter, SlotWriter, column_views
+from aioload._messages import Done, DropSlots, InitError, Shutdown, StartEpoch, Stopped, Task, TaskError, WorkerReady
 from aioload._seeding import sample_seed, seed_everything, seed_worker
 from aioload._shm import Segment, recv_fd
 from aioload._workerreads import FailedRead, WorkerReads
@@ -192,7 +193,7 @@ class _Worker:
                     payloads.append(b"")
                 except Exception as exc:  # noqa: BLE001
                     payloads.append(None)
-                    errors.append((pos, index, self.stage(raw), pack_exception(exc)))
+                    errors.append(TaskError(pos, index, self.stage(raw), pack_exception(exc)))
             return samples, payloads, errors
         # Bare indices, no seeding: the loop that torch's fetcher runs, plus one store per
         # sample saying which index this worker is on.
@@ -206,10 +207,10 @@ class _Worker:
             try:
                 samples.append(dataset[index])
             except Exception as exc:  # noqa: BLE001
-                errors.append((pos, index, self.stage(), pack_exception(exc)))
+                errors.append(TaskError(pos, index, self.stage(), pack_exception(exc)))
         payloads = [b""] * len(items)
-        for pos, _, _, _ in errors:
-            payloads[pos] = None
+        for error in errors:
+            payloads[error.pos] = None
         return samples, payloads, errors
 
     def stage(self, raw=None) -> str:
@@ -230,8 +231,8 @@ class _Worker:
             try:
                 samples = self.fetch_batch(indices)
             except Exception as exc:  # noqa: BLE001 - reported to the consumer with its index
-                errors.append((0, indices, "__getitems__", pack_exception(exc)))
-                return ("done", task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
+                errors.append(TaskError(0, indices, "__getitems__", pack_exception(exc)))
+                return Done(task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
         previous = None
         for pos, (index, raw) in enumerate(self.pairs(items)):
             try:
@@ -239,7 +240,7 @@ class _Worker:
                 data = writer.dump(sample, row0 + pos)
             except Exception as exc:  # noqa: BLE001
                 payloads.append(None)
-                errors.append((pos, index, self.stage(raw), pack_exception(exc)))
+                errors.append(TaskError(pos, index, self.stage(raw), pack_exception(exc)))
                 continue
             # b"" stands for "the same skeleton as the previous row": uniform batches then
             # cost the parent one unpickle instead of one per row.
@@ -247,7 +248,7 @@ class _Worker:
             previous = data
         specs = writer.first_specs if slot is None else None
         seconds = time.perf_counter() - started
-        return ("done", task_id, payloads, errors, specs, writer.overflow_wanted, seconds)
+        return Done(task_id, payloads, errors, specs, writer.overflow_wanted, seconds)
 
     def run_chunk(self, task_id, slot, items, row0, must: bool):
         """Chunk mode (see :mod:`aioload._chunks`): collate the chunk straight into the slot.
@@ -261,8 +262,8 @@ class _Worker:
                 samples = list(self.fetch_batch(indices))
                 payloads = [b""] * len(samples)
             except Exception as exc:  # noqa: BLE001 - reported to the consumer with its index
-                errors.append((0, indices, "__getitems__", pack_exception(exc)))
-                return ("done", task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
+                errors.append(TaskError(0, indices, "__getitems__", pack_exception(exc)))
+                return Done(task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
         else:
             samples, payloads, errors = self.fetch_each(items)
         writer = self.chunk_writer(slot, row0)
@@ -274,11 +275,11 @@ class _Worker:
                     raise
                 return None
             except Exception as exc:  # noqa: BLE001 - collation failed: the batch fails
-                errors.append((0, self.indices(items[:1])[0], "collate", pack_exception(exc)))
-                return ("done", task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
+                errors.append(TaskError(0, self.indices(items[:1])[0], "collate", pack_exception(exc)))
+                return Done(task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
             payloads[payloads.index(b"")] = blob
         specs = writer.specs if slot is None else None
-        return ("done", task_id, payloads, errors, specs, 0, time.perf_counter() - started)
+        return Done(task_id, payloads, errors, specs, 0, time.perf_counter() - started)
 
     def chunk_writer(self, slot, row0: int) -> ChunkWriter:
         if slot is None:
@@ -295,13 +296,13 @@ class _Worker:
             try:
                 samples = self.fetch_batch(indices)
             except Exception as exc:  # noqa: BLE001 - reported to the consumer with its index
-                errors = [(0, indices[0], "__getitems__", pack_exception(exc))]
-                return ("done", task_id, [None], errors, None, 0, time.perf_counter() - started)
+                errors = [TaskError(0, indices[0], "__getitems__", pack_exception(exc))]
+                return Done(task_id, [None], errors, None, 0, time.perf_counter() - started)
             return self.finish_batch(task_id, slot, writer, samples, [], started, indices)
         samples, _, errors = self.fetch_each(items)
         if (errors and not skip_errors) or not samples:
-            return ("done", task_id, [None], errors, None, 0, time.perf_counter() - started)
-        failed = {pos for pos, _, _, _ in errors}
+            return Done(task_id, [None], errors, None, 0, time.perf_counter() - started)
+        failed = {error.pos for error in errors}
         collated = [index for pos, index in enumerate(indices) if pos not in failed]
         return self.finish_batch(task_id, slot, writer, samples, errors, started, collated)
 
@@ -315,11 +316,11 @@ class _Worker:
                 batch = cfg.collate_fn(samples[0])
             payload = writer.dump(batch, 0)
         except Exception as exc:  # noqa: BLE001
-            errors.append((0, index, "collate_fn", pack_exception(exc)))
+            errors.append(TaskError(0, index, "collate_fn", pack_exception(exc)))
             payload = None
         specs = writer.first_specs if slot is None else None
         seconds = time.perf_counter() - started
-        return ("done", task_id, [payload], errors, specs, writer.overflow_wanted, seconds)
+        return Done(task_id, [payload], errors, specs, writer.overflow_wanted, seconds)
 
     def run_iter(self, task_id, slot):
         cfg = self.cfg
@@ -335,29 +336,28 @@ class _Worker:
                     except StopIteration:
                         break
                 if not samples or (cfg.drop_last and len(samples) < cfg.batch_size):
-                    return ("stop", task_id)
+                    return Stopped(task_id)
             else:
                 samples = [next(self.iterator)]
         except StopIteration:
-            return ("stop", task_id)
+            return Stopped(task_id)
         except Exception as exc:  # noqa: BLE001
-            errors = [(0, None, "__iter__", pack_exception(exc))]
-            return ("done", task_id, [None], errors, None, 0, time.perf_counter() - started)
+            errors = [TaskError(0, None, "__iter__", pack_exception(exc))]
+            return Done(task_id, [None], errors, None, 0, time.perf_counter() - started)
         return self.finish_batch(task_id, slot, self.writer(slot), samples, [], started, None)
 
     def serve(self) -> None:
         while (message := self.next_message()) is not None:
             msg, reading = message
-            kind = msg[0]
-            if kind == "stop":
+            if isinstance(msg, Shutdown):
                 return
-            if kind == "epoch":
-                self.start_epoch(msg[1], msg[2])
+            if isinstance(msg, StartEpoch):
+                self.start_epoch(msg.base_seed, msg.per_sample_seeds)
                 continue
-            if kind == "drop":
-                self.drop(msg[1])
+            if isinstance(msg, DropSlots):
+                self.drop(msg.slot_ids)
                 continue
-            _, task_id, slot, payload, drops = msg
+            kind, task_id, slot, payload, drops = msg.kind, msg.task_id, msg.slot, msg.payload, msg.drops
             self.task = task_id
             self.drop(drops)
             cpu = time.process_time()
@@ -379,9 +379,9 @@ class _Worker:
                 reply = self.run_iter(task_id, slot)
             else:  # pragma: no cover - a bug in the engine
                 raise RuntimeError(f"unknown task kind {kind!r}")
-            if reply[0] == "done":
-                # CPU seconds (compared to wall time in stats), then the reads made here
-                reply += (time.process_time() - cpu, reads)
+            if isinstance(reply, Done):
+                # CPU seconds (compared to wall time in stats), and the reads made here
+                reply = reply._replace(cpu_s=time.process_time() - cpu, reads=reads)
             _wire.send_blocking(self.sock, reply)
 
     # -- reads in this worker (cfg.read_in_workers) ------------------------------------------
@@ -409,9 +409,9 @@ class _Worker:
 
     def take(self, msg) -> tuple:
         """``(msg, reading)``: a task's reads start now when this worker does them."""
-        if self.reads is None or msg[0] not in ("rows", "whole"):
+        if self.reads is None or not isinstance(msg, Task) or msg.kind not in ("rows", "whole"):
             return msg, None
-        return msg, self.reads.start(list(msg[3][0]))
+        return msg, self.reads.start(list(msg.payload[0]))
 
     def with_reads(self, payload: tuple, reading) -> tuple:
         """The task's payload with its bare indices paired with what their reads returned,
@@ -460,11 +460,11 @@ def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=()) -> 
         if cfg.worker_init_fn is not None:
             cfg.worker_init_fn(worker_id)
     except Exception as exc:  # noqa: BLE001
-        _wire.send_blocking(sock, ("init_error", pack_exception(exc)))
+        _wire.send_blocking(sock, InitError(pack_exception(exc)))
         return
     if cfg.read_in_workers:
         worker.reads = WorkerReads(cfg.dataset, cfg.io_limit, cfg.read_timeout)
-    _wire.send_blocking(sock, ("ready", os.getpid()))
+    _wire.send_blocking(sock, WorkerReady(os.getpid()))
     try:
         worker.serve()
     except (BrokenPipeError, ConnectionResetError):
