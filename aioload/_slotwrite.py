@@ -247,6 +247,9 @@ class RowWriter:
                 if spec is None:
                     self._specs.append(NO_SPEC)
                     return Inline(obj)
+                # NOTE: this falls through to the tensor check below, which finds no leaf_spec
+                # for a number: numbers are noted as NO_SPEC and carried inline, so no layout
+                # has a number column yet and the store below is never reached.
             elif self._row < writer.layout.rows and (kind is not int or INT64[0] <= obj < INT64[1]):
                 self._specs.append(spec)
                 writer.columns[k][self._row] = obj  # the hot path: a numpy scalar store
