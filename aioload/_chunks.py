@@ -1,53 +1,36 @@
 """Chunk mode: a worker collates a whole chunk of a batch straight into its slot rows.
 
+Used on both sides: :class:`ChunkWriter` in the worker, :func:`join_chunks` in the parent (and
+:func:`move_chunk_into_slot` there for the sample that taught the layout).
+
 With default collation and samples made of tensors, numeric arrays, numbers and strings
 (nested in tuples, lists, dicts, namedtuples), a worker runs torch's own ``collate`` over its
 chunk with leaf functions that stack each column into the slot (``torch.stack(out=...)``) and
-return a small marker instead. The parent receives one skeleton per chunk and joins the chunks
-column by column: a column whose chunks fill rows ``0..n-1`` is a view of the slot. The cost per
-sample is then one ``__getitem__`` and a share of one ``stack``; structure, dtypes and errors
-stay ``default_collate``'s.
+return its place instead (:class:`~aioload._slotlayout.Column`, or
+:class:`~aioload._slotlayout.Inline` for a stack that is not in the slot). The parent receives
+one skeleton per chunk and joins the chunks column by column: a column whose chunks fill rows
+``0..n-1`` is a view of the slot. The cost per sample is then one ``__getitem__`` and a share
+of one ``stack``; structure, dtypes and errors stay ``default_collate``'s.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import pickle
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
-from aioload._layout import Layout, LeafSpec
+from aioload._slotlayout import Column, Inline, Layout, LeafSpec, in_column
+from aioload._tree import leaves, map_leaves
 
 CHUNK_MAGIC = b"\x00K"
 """First bytes of a chunk-mode payload (a pickle starts with b"\\x80")."""
 
 _NUMPY_SCALARS = (np.bool_, np.number, np.object_)
-
-
-class _Col:
-    """Leaf ``k`` of this chunk was stacked into column ``k`` of the slot."""
-
-    __slots__ = ("k",)
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def __reduce__(self):
-        return (_Col, (self.k,))
-
-
-class _Tensor:
-    """Leaf stacked outside the slot (no slot yet, or a shape the column does not have)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
-
-    def __reduce__(self):
-        return (_Tensor, (self.value,))
 
 
 class _Seq:
@@ -143,14 +126,14 @@ class ChunkWriter:
         column = self._column(k, spec)
         n = stacked.shape[0]
         if column is None or self.row0 + n > column.shape[0]:
-            return _Tensor(stacked)
+            return Inline(stacked)
         column[self.row0 : self.row0 + n].copy_(stacked)
-        return _Col(k)
+        return in_column(k)
 
     def _tensor(self, batch, *, collate_fn_map=None):
         elem = batch[0]
         if elem.is_nested or elem.layout is not torch.strided:
-            return _Tensor(default_collate_fn_map[torch.Tensor](batch))  # raises torch's error
+            return Inline(default_collate_fn_map[torch.Tensor](batch))  # raises torch's error
         k = len(self.specs)
         spec = LeafSpec("t", str(elem.dtype), tuple(elem.shape))
         column = self._column(k, spec)
@@ -158,7 +141,7 @@ class ChunkWriter:
         if column is not None and self.row0 + n <= column.shape[0]:
             self.specs.append(spec)
             torch.stack(batch, 0, out=column[self.row0 : self.row0 + n])
-            return _Col(k)
+            return in_column(k)
         return self._put(torch.stack(batch, 0))
 
     def _number(self, batch, *, collate_fn_map=None):
@@ -189,7 +172,7 @@ class ChunkWriter:
         except (OverflowError, ValueError, TypeError):
             return None
         self.specs.append(spec)
-        return _Col(k)
+        return in_column(k)
 
     def _numpy_scalar(self, batch, *, collate_fn_map=None):
         if isinstance(batch[0], np.object_):
@@ -200,64 +183,56 @@ class ChunkWriter:
         return _Seq(batch)
 
 
+def _unjoinable(node) -> bool:
+    """A mapping other than a dict (a tokenizer's ``BatchEncoding``, say): ``collate`` copies
+    it with whatever else it carries, which a join of chunks cannot, so it is not looked into
+    and fails the check below; the batch then goes to rows mode."""
+    return isinstance(node, Mapping) and not isinstance(node, dict)
+
+
 def check_supported(skeleton) -> None:
     """Raise :class:`Unsupported` if a leaf of ``skeleton`` is not a chunk-mode marker."""
-    kind = type(skeleton)
-    if kind in (_Col, _Tensor, _Seq):
-        return
-    if kind is _Numbers:
-        check_supported(skeleton.inner)
-        return
-    if isinstance(skeleton, dict):
-        for value in skeleton.values():
-            check_supported(value)
-    elif isinstance(skeleton, (list, tuple)):
-        for value in skeleton:
-            check_supported(value)
-    else:
-        raise Unsupported(type(skeleton).__name__)
+    for leaf in leaves(skeleton, is_leaf=_unjoinable):
+        kind = type(leaf)
+        if kind is _Numbers:
+            check_supported(leaf.inner)
+        elif kind is not Column and kind is not Inline and kind is not _Seq:
+            raise Unsupported(kind.__name__)
 
 
 # ----------------------------------------------------------------------------- parent side
 
 
 def join_chunks(chunks: list[tuple[int, int, object]], view):
-    """The batch from ``(first row, rows, skeleton)`` per chunk, in row order."""
+    """The batch from ``(first row, rows, skeleton)`` per chunk, in row order. The skeletons
+    are walked in lockstep (``aioload._tree``): a sequence whose length differs between
+    chunks raises ``ValueError``, as ``default_collate`` does in rows."""
     contiguous = chunks[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
     spans = [(r0, n) for r0, n, _ in chunks]
-    # module-level recursion, not a closure calling itself: a self-referencing closure is a
-    # reference cycle that would keep the slot view (and so the slot) alive until gc runs
-    return _join([skeleton for _, _, skeleton in chunks], view, spans, contiguous)
+    # a partial of a module-level function, not a closure calling itself: a self-referencing
+    # closure is a reference cycle that would keep the slot view (and so the slot) alive
+    # until gc runs
+    join = functools.partial(_join, view, spans, contiguous)
+    return map_leaves(join, *(skeleton for _, _, skeleton in chunks))
 
 
-def _join(nodes, view, spans, contiguous: bool):
+def _join(view, spans, contiguous: bool, *nodes):
+    """One leaf of the batch from that leaf of every chunk."""
     first = nodes[0]
     kind = type(first)
-    if kind is _Col and contiguous and all(type(n) is _Col for n in nodes):
+    if kind is Column and contiguous and all(type(n) is Column for n in nodes):
         return view.column(first.k, sum(n for _, n in spans))
-    if kind in (_Col, _Tensor):
-        parts = [view.rows(n.k, r0, count) if type(n) is _Col else n.value for n, (r0, count) in zip(nodes, spans)]
+    if kind is Column or kind is Inline:
+        parts = [view.rows(n.k, r0, count) if type(n) is Column else n.value for n, (r0, count) in zip(nodes, spans)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
     if kind is _Numbers:
-        joined = _join([n.inner for n in nodes], view, spans, contiguous)
+        joined = _join(view, spans, contiguous, *(n.inner for n in nodes))
         dtype = batch_dtype(first.first, "".join(n.kinds for n in nodes))
         return joined if joined.dtype == dtype else joined.to(dtype)
     if kind is _Seq:
         if len(nodes) == 1:
             return first.value
         return type(first.value)(itertools.chain(*(n.value for n in nodes)))
-    if isinstance(first, dict):
-        joined = {key: _join([n[key] for n in nodes], view, spans, contiguous) for key in first}
-        try:
-            return kind(joined)
-        except TypeError:
-            return joined
-    if isinstance(first, (list, tuple)) and any(len(n) != len(first) for n in nodes):
-        raise ValueError("chunks hold sequences of different lengths")  # default_collate's error, in rows
-    if isinstance(first, tuple) and hasattr(kind, "_fields"):
-        return kind(*[_join(list(column), view, spans, contiguous) for column in zip(*nodes)])
-    if isinstance(first, (list, tuple)):
-        return kind([_join(list(column), view, spans, contiguous) for column in zip(*nodes)])
     raise TypeError(f"cannot join chunks holding {kind.__name__}")
 
 
@@ -269,26 +244,14 @@ def move_chunk_into_slot(payload: bytes, segment, layout: Layout, columns, row0:
     """Rewrite a chunk collated without a slot (the sample that taught the layout) so that
     its leaves live in the slot's rows from ``row0``."""
     writer = ChunkWriter(segment, layout, row0, columns)
-    moved = _move(load_chunk(payload), writer)
+    moved = map_leaves(functools.partial(_move, writer), load_chunk(payload))
     return CHUNK_MAGIC + pickle.dumps(moved, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _move(node, writer: ChunkWriter):
+def _move(writer: ChunkWriter, node):
     kind = type(node)
-    if kind is _Tensor:
+    if kind is Inline:
         return writer._put(node.value)
-    if kind in (_Col, _Seq):
-        return node
     if kind is _Numbers:
-        return _Numbers(_move(node.inner, writer), node.first, node.kinds)
-    if isinstance(node, dict):
-        moved = {key: _move(v, writer) for key, v in node.items()}
-        try:
-            return kind(moved)
-        except TypeError:
-            return moved
-    if isinstance(node, tuple) and hasattr(kind, "_fields"):
-        return kind(*[_move(v, writer) for v in node])
-    if isinstance(node, (list, tuple)):
-        return kind([_move(v, writer) for v in node])
+        return _Numbers(_move(writer, node.inner), node.first, node.kinds)
     return node

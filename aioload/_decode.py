@@ -10,7 +10,9 @@ from typing import Callable
 
 from aioload._chunks import CHUNK_MAGIC, join_chunks, load_chunk, move_chunk_into_slot
 from aioload._errors import unpack_exception
-from aioload._layout import ALIGN, Layout, SlotView, collate_rows, column_views, load_batch, load_rows, move_into_slot
+from aioload._slotlayout import ALIGN, Layout
+from aioload._slotread import SlotView, collate_rows, load_batch, load_rows
+from aioload._slotwrite import column_views, move_into_slot
 from aioload._messages import Done, TaskError
 from aioload._ready import SKIP
 from aioload._slots import SlotPool

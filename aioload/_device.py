@@ -9,38 +9,16 @@ DataLoader does.
 
 from __future__ import annotations
 
-import collections.abc
 import warnings
 
 import torch
+
+from aioload._tree import map_tensors
 
 PIN_WARNING = (
     "'pin_memory' argument is set as true but no accelerator is found, "
     "then device pinned memory won't be used."
 )
-
-
-def apply(batch, fn):
-    """Apply ``fn`` to every tensor in a nested batch, keeping container types."""
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, (str, bytes)):
-        return batch
-    if isinstance(batch, collections.abc.Mapping):
-        items = {k: apply(v, fn) for k, v in batch.items()}
-        try:
-            return type(batch)(items)
-        except TypeError:
-            return items
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(apply(v, fn) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        items = [apply(v, fn) for v in batch]
-        try:
-            return type(batch)(items)
-        except TypeError:
-            return items
-    return batch
 
 
 def resolve_device(device) -> torch.device | None:
@@ -84,7 +62,7 @@ class Transfer:
         """Enqueue the copy; returns ``(device_batch, event)``. Keep ``batch`` alive until the
         event has fired: its memory is being read by the copy."""
         with torch.cuda.stream(self.stream):
-            out = apply(batch, lambda t: t.to(self.device, non_blocking=True))
+            out = map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
             event = torch.cuda.Event()
             event.record(self.stream)
         return out, event
@@ -93,5 +71,5 @@ class Transfer:
         """In the consumer's thread: make its current stream wait for the copy."""
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(event)
-        apply(batch, lambda t: t.record_stream(stream) or t)
+        map_tensors(lambda t: t.record_stream(stream) or t, batch)
         return batch

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import collections.abc
 import concurrent.futures
 import functools
 import os
@@ -41,6 +40,7 @@ from aioload._dataset import NOT_READY
 from aioload._errors import pack_exception
 from aioload._messages import TaskError
 from aioload._seeding import sample_seed, seed_everything
+from aioload._tree import leaves, map_leaves, map_tensors
 
 RETRIES = 2
 """How many times a batch whose executor process died is sent again before the loader raises."""
@@ -212,41 +212,21 @@ class _Array:
 
 
 def _outward(value):
-    from aioload._device import apply
-
-    return apply(value, _Array)
+    return map_tensors(_Array, value)
 
 
 def inward(value):
     """A batch as it came back: its arrays made tensors again (no copy), containers kept."""
-    if isinstance(value, _Array):
-        return value.tensor()
-    if isinstance(value, collections.abc.Mapping):
-        items = {k: inward(v) for k, v in value.items()}
-        try:
-            return type(value)(items)
-        except TypeError:
-            return items
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(inward(v) for v in value))
-    if isinstance(value, (list, tuple)):
-        items = [inward(v) for v in value]
-        try:
-            return type(value)(items)
-        except TypeError:
-            return items
-    return value
+    return map_leaves(_tensor_of, value)
+
+
+def _tensor_of(leaf):
+    return leaf.tensor() if isinstance(leaf, _Array) else leaf
 
 
 def batch_bytes(value) -> int:
     """The bytes of a batch's tensors (what crossed the network)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(batch_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(batch_bytes(v) for v in value)
-    return 0
+    return sum(t.numel() * t.element_size() for t in leaves(value) if isinstance(t, torch.Tensor))
 
 
 # -- on the trainer -----------------------------------------------------------------------------

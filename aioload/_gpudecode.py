@@ -37,6 +37,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from aioload._budget import ErrorBudget
 from aioload._seeding import sample_seed, seed_everything
+from aioload._tree import map_tensors
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 
@@ -273,13 +274,9 @@ class DecodeTransfer:
 
 
 def _to(value, device: torch.device):
-    from aioload._device import apply
-
-    return apply(value, lambda t: t.to(device, non_blocking=True))
+    return map_tensors(lambda t: t.to(device, non_blocking=True), value)
 
 
 def _select(targets, keep: list[int]):
-    from aioload._device import apply
-
     index = torch.tensor(keep, dtype=torch.int64)
-    return apply(targets, lambda t: t.index_select(0, index.to(t.device)))
+    return map_tensors(lambda t: t.index_select(0, index.to(t.device)), targets)

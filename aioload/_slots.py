@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from aioload._layout import Layout
+from aioload._slotlayout import Layout
 from aioload._shm import Segment
 
 

@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from aioload._layout import Layout
+from aioload._slotlayout import Layout
 from aioload._slots import SlotPool
 
 

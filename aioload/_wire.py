@@ -46,6 +46,11 @@ def unpicklable(value: object) -> tuple[object, Exception] | None:
 
 
 def _unpicklable(value, budget: list) -> tuple[object, Exception] | None:
+    # Not aioload._tree's walk: this one is a search, not a map. It stops at the first value
+    # that fails and after _LOOK_INTO values whatever it found, counts the containers against
+    # that budget too, and looks into a dict's keys as well as its values. Only the built-in
+    # containers are opened: a value of any other type (a namedtuple, a Mapping) is simply
+    # pickled whole, which answers the question for everything inside it at once.
     kind = type(value)
     budget[0] -= 1
     if kind in _PICKLES or budget[0] < 0:

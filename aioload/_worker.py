@@ -23,7 +23,8 @@ import torch.utils.data._utils.worker as torch_worker
 from aioload import _wire
 from aioload._errors import pack_exception
 from aioload._chunks import ChunkWriter, Unsupported
-from aioload._layout import Layout, RowWriter, SlotWriter, column_views
+from aioload._slotlayout import Layout
+from aioload._slotwrite import RowWriter, SlotWriter, column_views
 from aioload._messages import Done, DropSlots, InitError, Shutdown, StartEpoch, Stopped, Task, TaskError, WorkerReady
 from aioload._seeding import sample_seed, seed_everything, seed_worker
 from aioload._shm import Segment, recv_fd
@@ -285,7 +286,7 @@ class _Worker:
         if slot is None:
             return ChunkWriter(None, None, row0, None)
         writer = self.writer(slot, SlotWriter)
-        return ChunkWriter(writer.segment, writer.layout, row0, writer._columns)
+        return ChunkWriter(writer.segment, writer.layout, row0, writer.columns)
 
     def run_whole(self, task_id, slot, items, skip_errors: bool):
         """One whole batch, collated by ``collate_fn``; ``items`` as :meth:`run_chunk`'s."""

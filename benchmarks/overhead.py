@@ -541,8 +541,9 @@ GROUPS = {  # inclusive: a sample counts once in a group when any frame of its s
     "aioload read stage and storage (_reads, _storage, _http, _limiter)": (
         "aioload/_reads.py", "aioload/_storage.py", "aioload/_http.py", "aioload/_limiter.py"),
     "aioload worker hand-off (_pool, _wire: tasks out, replies in)": ("aioload/_pool.py", "aioload/_wire.py"),
-    "aioload batch bookkeeping (_decode, _slots, _layout, _chunks)": (
-        "aioload/_decode.py", "aioload/_slots.py", "aioload/_layout.py", "aioload/_chunks.py"),
+    "aioload batch bookkeeping (_decode, _slots, _slotread, _slotwrite, _chunks)": (
+        "aioload/_decode.py", "aioload/_slots.py", "aioload/_slotlayout.py", "aioload/_slotread.py",
+        "aioload/_slotwrite.py", "aioload/_chunks.py", "aioload/_tree.py"),
     "aioload ready queue and consumer (_ready, _iterator, _loader)": (
         "aioload/_ready.py", "aioload/_iterator.py", "aioload/_loader.py"),
     "aioload statistics (_stats)": ("aioload/_stats.py",),

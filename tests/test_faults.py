@@ -744,7 +744,7 @@ def test_a_fork_taken_while_another_thread_computes_a_layout_property_does_not_d
     them at once."""
     import threading
 
-    from aioload._layout import LeafSpec, _memo
+    from aioload._slotlayout import LeafSpec, _memo
 
     assert type(LeafSpec.__dict__["nbytes"]) is _memo and type(LeafSpec.__dict__["torch_dtype"]) is _memo
     parent = os.getpid()

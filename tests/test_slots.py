@@ -206,7 +206,7 @@ class _Copy:
 
 def _pinned_pool(target: int, copies: list, monkeypatch):
     from aioload import _slots
-    from aioload._layout import Layout, LeafSpec
+    from aioload._slotlayout import Layout, LeafSpec
     from aioload._slots import SlotPool
 
     monkeypatch.setattr(_slots, "_cuda_unregister", lambda segment: None)  # no device here

@@ -18,7 +18,7 @@ from aioload._budget import ErrorBudget
 from aioload._dataset import NOT_READY
 from aioload._decode import WHOLE_BATCH_SECONDS, DecodeStage, LayoutLesson
 from aioload._errors import DataLoaderTimeoutError, pack_exception
-from aioload._layout import LeafSpec
+from aioload._slotlayout import LeafSpec
 from aioload._limiter import Limiter
 from aioload._messages import (Done, DropSlots, InitError, Shutdown, StartEpoch, Stopped, Task, TaskError,
                                WorkerReady)
