@@ -200,7 +200,9 @@ class DataLoader(Generic[_T_co]):
         self._planner = Planner(self._torch, seed, self._seed_generator, isinstance(dataset, IterableDataset))
         self._resume: dict | None = None  # a loaded state, applied by the next iteration
         self._progress: EpochProgress | None = None  # the epoch in progress, for state_dict()
-        self._running: EpochContext | None = None  # the last epoch fed by the engine
+        # The last epoch fed by the engine, while its iterator holds it (a weak reference: what the
+        # epoch holds, its engine and queue, must not outlive its iterator).
+        self._running: weakref.ref[EpochContext] | None = None
         self._stats = StatsRecorder()
         self._tuner = make_tuner(io_concurrency, self.queue_depth, self._torch.batch_size, num_workers,
                                  default_depth, reads=is_split(dataset))
@@ -466,8 +468,9 @@ class DataLoader(Generic[_T_co]):
         """An iterator starts: the epoch in progress, if any, ends (one epoch at a time)."""
         if self._res.closed:
             raise LoaderClosedError("this DataLoader was closed; create a new one to iterate again")
-        if self._running is not None:
-            self._running.superseded = True
+        running = self._running() if self._running is not None else None
+        if running is not None:
+            running.superseded = True
         self._res.stop_engine()
         self._epoch_begins(self._next_epoch)
         return self._settings()
@@ -510,9 +513,10 @@ class DataLoader(Generic[_T_co]):
             transfer.budget = engine.budget
         engine.start()
         self._res.engine = engine
-        self._running = self._context(plan, engine.budget, called, batches, resources=self._res,
-                                      engine=engine, ready=ready, transfer=transfer)
-        return self._running
+        ctx = self._context(plan, engine.budget, called, batches, resources=self._res,
+                            engine=engine, ready=ready, transfer=transfer)
+        self._running = weakref.ref(ctx)
+        return ctx
 
     def __aiter__(self) -> "_Iterator | _InProcessIterator":
         return self.__iter__()

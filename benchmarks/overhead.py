@@ -520,7 +520,7 @@ GROUPS = {  # inclusive: a sample counts once in a group when any frame of its s
     "aioload batch bookkeeping (_decode, _slots, _layout, _chunks)": (
         "aioload/_decode.py", "aioload/_slots.py", "aioload/_layout.py", "aioload/_chunks.py"),
     "aioload ready queue and consumer (_ready, _iterator, _loader)": (
-        "aioload/_ready.py", "aioload/_iterator.py", "aioload/_loader.py"),
+        "aioload/_ready.py", "aioload/_iterator.py", "aioload/_epoch.py", "aioload/_loader.py"),
     "aioload statistics (_stats)": ("aioload/_stats.py",),
 }
 LOOP_ONLY = "event loop's own C code (uvloop; no Python frame below Engine._run)"
