@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 DATA_BOUND = 0.10
 """Waiting at least this share of the steady state makes a loop "data-bound"."""
@@ -239,7 +239,7 @@ class LoaderStats:
         """The figures of the interval from ``earlier`` to this snapshot. Gauges (reads in
         flight, queue occupancy, limits) and read percentiles are this snapshot's own; read
         percentiles cover the most recent reads."""
-        counters = {}
+        counters: dict[str, Any] = {}
         for name in _COUNTERS:
             later, before = getattr(self, name), getattr(earlier, name)
             counters[name] = later[len(before):] if isinstance(later, tuple) else later - before
@@ -528,6 +528,11 @@ class StatsRecorder:
     """
 
     RING = 2048
+
+    if TYPE_CHECKING:  # the counters (``batches``, ``reads``, ...) are set by reset() from STATS
+        def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def __init__(self):
         self._lock = threading.Lock()
