@@ -1,6 +1,7 @@
-"""The sync/async front end of one epoch: the iterator starts the epoch at its first ``next()``
-and takes finished batches from the ready queue for ``for`` or ``async for``; dropping it,
-``break``, an exception or Ctrl-C stops the engine."""
+"""The epoch fed by the engine, for ``for`` or ``async for``: finished batches from the ready
+queue, the ``timeout=`` error, and the async wait on the caller's own event loop. Dropping the
+iterator, ``break``, an exception or Ctrl-C stops the engine. What every epoch shares (the lazy
+start, ``len()``, the end of an epoch) is :class:`aioload._epoch.EpochIterator`'s."""
 
 from __future__ import annotations
 
