@@ -9,16 +9,10 @@ import functools
 import inspect
 import re
 import warnings
-from typing import TYPE_CHECKING
-
 import torch
 from torch.autograd.profiler import record_function
 
 from aioload import _device
-
-if TYPE_CHECKING:
-    from aioload._loader import DataLoader
-
 
 # Profiler ranges around each batch, as torch's iterators have: the "enumerate(DataLoader)#"
 # prefix is what profile viewers (TensorBoard's profiler plugin) count as data loading; the
@@ -37,10 +31,10 @@ def profiled(name: str):
     return record_function(name) if _profiling() else _NO_RANGE
 
 
-def _len_called(loader: DataLoader) -> int | None:
+def len_called(torch_loader, iterable: bool) -> int | None:
     """What ``len(loader)`` reported for an IterableDataset before this epoch began (torch
     compares each epoch against the length known when its iterator was made)."""
-    return getattr(loader._torch, "_IterableDataset_len_called", None) if loader._iterable else None
+    return getattr(torch_loader, "_IterableDataset_len_called", None) if iterable else None
 
 
 @functools.cache
@@ -60,18 +54,15 @@ def _length_gap() -> str:
     return "" if joined else " "
 
 
-def _warn_as_torch_iterator(loader: DataLoader) -> None:
-    """The warnings torch's DataLoader gives each time it makes an iterator (once in all with
-    persistent workers, which reuse theirs): too many workers for the CPUs, and pinning that
-    cannot happen."""
-    if loader._iterated and loader.persistent_workers:
+def warn_as_torch_iterator(torch_loader, check_workers: bool, pin_memory: bool) -> None:
+    """The warnings torch's DataLoader gives when it makes an iterator: too many workers for
+    the CPUs (``check_workers``), and pinning that cannot happen. Called by the loader's
+    ``__iter__`` (the warnings point at its caller)."""
+    if check_workers:
+        torch_loader.check_worker_number_rationality()
+    if not pin_memory:
         return
-    loader._iterated = True
-    if loader.num_workers > 0 and loader.executor is None:  # with executor=, batches in flight, not processes
-        loader._torch.check_worker_number_rationality()
-    if not loader.pin_memory:
-        return
-    device = loader.pin_memory_device
+    device = getattr(torch_loader, "pin_memory_device", "")
     if device and "pin_memory_device is deprecated" in _torch_source("__init__"):
         warnings.warn(
             "pin_memory_device is deprecated, the current accelerator will be used as the device,"
@@ -82,14 +73,15 @@ def _warn_as_torch_iterator(loader: DataLoader) -> None:
         warnings.warn(_device.PIN_WARNING, stacklevel=3)
 
 
-def _warn_iterable_length(loader: DataLoader, yielded: int, called: int | None) -> None:
+def warn_iterable_length(dataset, num_workers: int, yielded: int, called: int | None) -> None:
+    """torch's warning when an IterableDataset yields more than its reported length."""
     if called is not None and yielded > called:
         warnings.warn(
-            f"Length of IterableDataset {loader.dataset} was reported to be {called}{_length_gap()}"
+            f"Length of IterableDataset {dataset} was reported to be {called}{_length_gap()}"
             f"(when accessing len(dataloader)), but {yielded} samples have been fetched. "
             + ("For multiprocessing data-loading, this could be caused by not properly configuring the "
                "IterableDataset replica at each worker. Please see "
                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples."
-               if loader.num_workers > 0 else ""),
+               if num_workers > 0 else ""),
             stacklevel=3,
         )

@@ -5,7 +5,10 @@ also gives it torch's sampler logic), owns the worker pool and the slot pool, an
 :class:`~aioload._engine.Engine` per epoch. The iterator it returns (:mod:`aioload._iterator`)
 takes finished batches from the ready queue; dropping it, ``break``, an exception or Ctrl-C
 stops the engine. With ``num_workers=0`` and a plain dataset, loading runs in the caller's
-thread (:mod:`aioload._inprocess`).
+thread (:mod:`aioload._inprocess`). Both iterators share one base (:mod:`aioload._epoch`) and
+know the loader only through ``len()``, :meth:`DataLoader._start_engine` and
+:meth:`DataLoader._start_in_process`, which hand each epoch its
+:class:`~aioload._epoch.EpochContext`.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 from torch.utils.data._utils.collate import default_collate
 
 from aioload import _device
-from aioload._budget import check_max_errors, epoch_samples, logger
-from aioload._compat import _warn_as_torch_iterator
+from aioload._budget import budget_for, check_max_errors, epoch_samples, logger
+from aioload._compat import len_called, warn_as_torch_iterator
 from aioload._dataset import is_split
 from aioload._engine import Engine
+from aioload._epoch import EpochContext
 from aioload import _executor
 from aioload._errors import LoaderClosedError
 from aioload import _gpudecode
@@ -204,6 +208,9 @@ class DataLoader(Generic[_T_co]):
         self._planner = Planner(self._torch, seed, self._seed_generator, isinstance(dataset, IterableDataset))
         self._resume: dict | None = None  # a loaded state, applied by the next iteration
         self._progress: EpochProgress | None = None  # the epoch in progress, for state_dict()
+        # The last epoch fed by the engine, while its iterator holds it (a weak reference: what the
+        # epoch holds, its engine and queue, must not outlive its iterator).
+        self._running: weakref.ref[EpochContext] | None = None
         self._stats = StatsRecorder()
         self._tuner = make_tuner(io_concurrency, self.queue_depth, self._torch.batch_size, num_workers,
                                  default_depth, reads=is_split(dataset))
@@ -354,18 +361,6 @@ class DataLoader(Generic[_T_co]):
                 total = None
             self._monitor.begin_epoch(epoch, total)
 
-    def _epoch_ends(self, waited: float) -> None:
-        self._stats.end_epoch(waited)
-        if self._monitor is not None:
-            self._monitor.end_epoch()
-
-    def _delivered(self, samples: int, waited: float) -> None:
-        self._stats.delivered(samples, waited)
-        if self._progress is not None:
-            self._progress.taken += 1
-        if self._monitor is not None:
-            self._monitor.batch()
-
     def _plan(self) -> Plan:
         """The next epoch's numbered index batches and seeds (see :mod:`aioload._sampling`)."""
         epoch, resume = self._next_epoch, self._resume
@@ -485,7 +480,11 @@ class DataLoader(Generic[_T_co]):
         loader and dropped costs nothing and leaves the epoch count as it was."""
         if self._res.closed:
             raise LoaderClosedError("this DataLoader was closed; create a new one to iterate again")
-        _warn_as_torch_iterator(self)
+        # torch warns each time it makes an iterator (once in all with persistent workers,
+        # which reuse theirs); with executor=, num_workers counts batches, not processes.
+        if not (self._iterated and self.persistent_workers):
+            self._iterated = True
+            warn_as_torch_iterator(self._torch, self.num_workers > 0 and self.executor is None, self.pin_memory)
         if self.num_workers == 0 and not self._split and self.executor is None:
             return _InProcessIterator(self)
         return _Iterator(self)
@@ -494,23 +493,38 @@ class DataLoader(Generic[_T_co]):
         """An iterator starts: the epoch in progress, if any, ends (one epoch at a time)."""
         if self._res.closed:
             raise LoaderClosedError("this DataLoader was closed; create a new one to iterate again")
-        if self._res.epoch_state is not None:
-            self._res.epoch_state["superseded"] = True
+        running = self._running() if self._running is not None else None
+        if running is not None:
+            running.superseded = True
         self._res.stop_engine()
         self._epoch_begins(self._next_epoch)
         return self._settings()
 
-    def _start_in_process(self) -> Plan:
-        """The first ``next()`` of an in-process iterator: the epoch's plan."""
-        self._begin_epoch()
-        return self._plan()
+    def _context(self, plan: Plan, budget, called: int | None, batches: int | None, **engine_parts) -> EpochContext:
+        """What the epoch's iterator works with, as the loader's attributes say now."""
+        t = self._torch
+        return EpochContext(
+            plan=plan, dataset=self.dataset, stats=self._stats, progress=self._progress, monitor=self._monitor,
+            budget=budget, collate_fn=t.collate_fn, auto_collation=t._auto_collation, batch_size=t.batch_size,
+            drop_last=t.drop_last, iterable=self._iterable, seed=self.seed, on_error=self.on_error,
+            device=self._device, pin=self._pin, timeout=self.timeout or None, batches=batches,
+            len_called=called, num_workers=self.num_workers, persistent=self.persistent_workers, **engine_parts,
+        )
 
-    def _start_engine(self, state: dict) -> tuple[Engine, ReadyQueue, Any]:
+    def _start_in_process(self) -> EpochContext:
+        """The first ``next()`` of an in-process iterator: the epoch's plan."""
+        called = len_called(self._torch, self._iterable)  # before the monitor asks len()
+        self._begin_epoch()
+        plan = self._plan()
+        return self._context(plan, budget_for(self), called, batches=None)
+
+    def _start_engine(self) -> EpochContext:
         """The first ``next()`` of an iterator fed by the engine: the epoch's plan, the worker
         pool (kept from the last epoch or started now) and the engine's thread."""
+        called = len_called(self._torch, self._iterable)
+        batches = None if self._iterable else _len_or_none(self)
         settings = self._begin_epoch()
         plan = self._plan()
-        self._current_base = plan.base_seed
         pool = self._pool(plan.base_seed, settings) if settings.num_workers > 0 and self.executor is None else None
         spec = self._spec(settings)
         ready = ReadyQueue(self.in_order, plan.delivered)
@@ -524,8 +538,10 @@ class DataLoader(Generic[_T_co]):
             transfer.budget = engine.budget
         engine.start()
         self._res.engine = engine
-        self._res.epoch_state = state
-        return engine, ready, transfer
+        ctx = self._context(plan, engine.budget, called, batches, resources=self._res,
+                            engine=engine, ready=ready, transfer=transfer)
+        self._running = weakref.ref(ctx)
+        return ctx
 
     def __aiter__(self) -> "_Iterator | _InProcessIterator":
         return self.__iter__()
@@ -544,6 +560,14 @@ def _weak_stats(loader: DataLoader):
         return alive.stats() if alive is not None else None
 
     return stats
+
+
+def _len_or_none(loader: DataLoader) -> int | None:
+    """The epoch's batches, or ``None`` where the sampler has no ``len()``."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def _check_read_timeout(read_timeout, dataset) -> None:

@@ -32,7 +32,6 @@ class _Resources:
         self.pid = os.getpid()  # a forked child (any worker process) inherits a copy: not its to close
         self.lost: str | None = None  # why the last pool was lost (a crash), until it is replaced
         self.workers = 0  # worker processes per pool, once one has been started
-        self.epoch_state: dict | None = None
         self.executor = None  # an aioload._executor.ExecutorStage with executor=
         watch_exit()
 
@@ -48,6 +47,21 @@ class _Resources:
             engine.stop()
             if not engine.clean:
                 self.discard_pool()
+
+    def end_epoch(self, engine: Engine, *, exhausted: bool, persistent: bool, superseded: bool) -> None:
+        """An epoch's iterator is finished or dropped. Workers are kept for the next epoch when
+        it ran to its end (``exhausted``, or with ``persistent_workers=True``); an epoch left
+        early (``break``, an exception, Ctrl-C) also stops them, so nothing keeps running
+        behind an abandoned loop. A ``superseded`` epoch's pool belongs to the newer epoch."""
+        if not exhausted and not persistent and not superseded:
+            engine.drain_timeout = 0  # the workers go anyway: do not wait for their tasks
+        engine.stop()
+        if superseded:
+            return  # a newer epoch owns the pool now; stop_engine() already judged it
+        if self.engine is engine:
+            self.engine = None
+        if not engine.clean or (not exhausted and not persistent):
+            self.discard_pool()
 
     def discard_pool(self) -> None:
         pool, self.pool = self.pool, None

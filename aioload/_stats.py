@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 DATA_BOUND = 0.10
 """Waiting at least this share of the steady state makes a loop "data-bound"."""
@@ -58,83 +58,179 @@ CATEGORIES = (
 """Every value of :attr:`LoaderStats.verdict_category` (see ``docs/stats.md``)."""
 
 
+COUNTER, GAUGE, DERIVED = "counter", "gauge", "derived"
+"""The kinds of statistic. A counter is cumulative over the loader's life (``since`` subtracts
+it; a tuple counter such as ``skipped`` keeps the later entries); a gauge is the value at the
+snapshot (``since`` keeps the later one); a derived figure is computed from the others."""
+
+
+@dataclass(frozen=True)
+class Stat:
+    """How one field of :class:`LoaderStats` is declared: its kind, what it means, its unit and
+    where a snapshot takes it from. The field's name, type and default are the dataclass's."""
+
+    kind: str
+    doc: str
+    unit: str = ""
+    source: str = ""
+    """``"recorder"``: a :class:`StatsRecorder` attribute of the same name (``reset`` sets it
+    to the field's default); ``"clock"``: the recorder's epoch clock; ``"cpu"``: the
+    :class:`CpuWindow` totals; ``"latency"``: the
+    read latency ring; ``"loader"``: a live figure the loader passes to ``snapshot``;
+    ``""`` for a derived figure."""
+    formula: Callable[[Any], Any] | None = None
+    """A derived figure's value, from the snapshot's other fields (``None``: the verdict)."""
+
+
+def _stat(kind: str, doc: str, unit: str = "", source: str = "", formula=None) -> dict:
+    return {"stat": Stat(kind, doc, unit, source, formula)}
+
+
+def _steady(s) -> float:
+    return s.elapsed_s - s.first_batch_s
+
+
+def _per_window(value: float, s) -> float:
+    return value / s.cpu_window_s if s.cpu_window_s > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class LoaderStats:
     """A snapshot of one loader's pipeline (``loader.stats()``); ``str()`` formats it.
 
     Counters are cumulative over the loader's life; ``later.since(earlier)`` gives the figures
     of the interval between two snapshots. Derived figures (rates, fractions, the verdict) are
-    computed from the counters. See ``docs/stats.md`` for what each one means.
+    computed from the counters. Each field is declared once, here, with its kind, meaning and
+    unit (:data:`STATS`); ``docs/stats.md`` lists them.
     """
 
-    batches: int = 0
-    samples: int = 0
-    epochs: int = 0
-    elapsed_s: float = 0.0
-    first_batch_s: float = 0.0
-    wait_s: float = 0.0
-    reads: int = 0
-    bytes_read: int = 0
-    read_s: float = 0.0
-    read_p50_ms: float = 0.0
-    read_p99_ms: float = 0.0
-    decoded: int = 0
-    decode_s: float = 0.0
-    decode_cpu_s: float = 0.0
-    reads_in_flight: int = 0
-    queue_occupancy: int = 0
-    io_concurrency: int = 0
-    queue_depth: int = 0
-    num_workers: int = 0
-    skipped: tuple = ()
-    skipped_total: int = 0
-    worker_restarts: int = 0
-    shm_bytes: int = 0
-    executor: str = ""  # with executor=: which one (a Dask cluster's scheduler address)
-    executor_tasks: int = 0  # batches the executor made
-    executor_bytes: int = 0  # bytes of the tensors those batches brought back
-    task_p50_ms: float = 0.0  # a task's round trip: sent, decoded there, its batch back
-    task_p99_ms: float = 0.0
-    first_batch_samples: int = 0
-    cpu_window_s: float = 0.0
-    machine_busy_s: float = 0.0
-    program_cpu_s: float = 0.0
-    worker_cpu_s: float = 0.0
-    worker_cpu_wait_s: float = 0.0
-    cpus: int = 0
-    cpu_wait_measured: bool = False
-    samples_per_s: float = field(init=False)
-    steady_samples_per_s: float = field(init=False)
-    wait_fraction: float = field(init=False)
-    decode_ms_per_sample: float = field(init=False)
-    mean_reads_in_flight: float = field(init=False)
-    decode_busy: float = field(init=False)
-    decode_cpu_share: float = field(init=False)
-    others_cpus: float = field(init=False)
-    idle_cpus: float = field(init=False)
-    program_cpus: float = field(init=False)
-    verdict_category: str = field(init=False)
-    verdict: str = field(init=False)
+    batches: int = field(default=0, metadata=_stat(
+        COUNTER, "batches delivered to the consumer", "batches", "recorder"))
+    samples: int = field(default=0, metadata=_stat(
+        COUNTER, "samples delivered to the consumer (exact count)", "samples", "recorder"))
+    epochs: int = field(default=0, metadata=_stat(
+        COUNTER, "epochs begun (an iterator's first `next()`)", "epochs", "recorder"))
+    elapsed_s: float = field(default=0.0, metadata=_stat(
+        COUNTER, "the consumer's clock: from each epoch's start to its last batch handed over (or its end)",
+        "s", "clock"))
+    first_batch_s: float = field(default=0.0, metadata=_stat(
+        COUNTER, "the part of `elapsed_s` before each epoch's first batch: starting workers, filling the pipeline",
+        "s", "recorder"))
+    wait_s: float = field(default=0.0, metadata=_stat(
+        COUNTER, "time after each epoch's first batch spent inside `__next__`/`__anext__`", "s", "recorder"))
+    reads: int = field(default=0, metadata=_stat(
+        COUNTER, "`Dataset.read` calls finished (on the event loop, or in the workers); a local file that a "
+                 "worker opens itself (`read_in=\"auto\"`) counts as a read of 0 bytes", "reads", "recorder"))
+    bytes_read: int = field(default=0, metadata=_stat(
+        COUNTER, "the bytes those reads returned (`bytes`, or the first item of a tuple)", "bytes", "recorder"))
+    read_s: float = field(default=0.0, metadata=_stat(
+        COUNTER, "sum of read latencies", "s", "recorder"))
+    read_p50_ms: float = field(default=0.0, metadata=_stat(
+        GAUGE, "median read latency over the most recent 2048 reads", "ms", "latency"))
+    read_p99_ms: float = field(default=0.0, metadata=_stat(
+        GAUGE, "99th percentile read latency over the most recent 2048 reads", "ms", "latency"))
+    decoded: int = field(default=0, metadata=_stat(
+        COUNTER, "samples decoded (decode, transform, writing into shared memory; `__getitem__` for a plain "
+                 "dataset)", "samples", "recorder"))
+    decode_s: float = field(default=0.0, metadata=_stat(
+        COUNTER, "wall time spent decoding those samples", "s", "recorder"))
+    decode_cpu_s: float = field(default=0.0, metadata=_stat(
+        COUNTER, "CPU time of the same work", "s", "recorder"))
+    reads_in_flight: int = field(default=0, metadata=_stat(
+        GAUGE, "reads running right now", "reads", "recorder"))
+    queue_occupancy: int = field(default=0, metadata=_stat(
+        GAUGE, "finished batches waiting in the ready queue right now", "batches", "loader"))
+    io_concurrency: int = field(default=0, metadata=_stat(
+        GAUGE, "the reads-in-flight limit in force now (as tuned so far, with `\"auto\"`)", "reads", "loader"))
+    queue_depth: int = field(default=0, metadata=_stat(
+        GAUGE, "the ready-queue limit in force now (as tuned so far, with `\"auto\"`)", "batches", "loader"))
+    num_workers: int = field(default=0, metadata=_stat(
+        GAUGE, "worker processes (with `executor=`: tasks in flight)", "workers", "loader"))
+    skipped: tuple = field(default=(), metadata=_stat(
+        COUNTER, "dataset indices left out with `on_error=\"skip\"`, in the order they failed (the first 10,000)",
+        "indices", "recorder"))
+    skipped_total: int = field(default=0, metadata=_stat(
+        COUNTER, "how many samples were left out with `on_error=\"skip\"`", "samples", "recorder"))
+    worker_restarts: int = field(default=0, metadata=_stat(
+        COUNTER, "worker pools replaced after a crash", "pools", "recorder"))
+    shm_bytes: int = field(default=0, metadata=_stat(
+        GAUGE, "shared memory held by batch slots", "bytes", "recorder"))
+    executor: str = field(default="", metadata=_stat(
+        GAUGE, "with `executor=`: which one (a Dask cluster by its scheduler's address)", "", "loader"))
+    executor_tasks: int = field(default=0, metadata=_stat(
+        COUNTER, "with `executor=`: the batches it made", "tasks", "loader"))
+    executor_bytes: int = field(default=0, metadata=_stat(
+        COUNTER, "with `executor=`: the bytes of the tensors those batches brought back", "bytes", "loader"))
+    task_p50_ms: float = field(default=0.0, metadata=_stat(
+        GAUGE, "with `executor=`: a task's median round trip (sent, read and decoded there, its batch back)",
+        "ms", "loader"))
+    task_p99_ms: float = field(default=0.0, metadata=_stat(
+        GAUGE, "with `executor=`: a task's 99th percentile round trip", "ms", "loader"))
+    first_batch_samples: int = field(default=0, metadata=_stat(
+        COUNTER, "the samples of each epoch's first batch", "samples", "recorder"))
+    cpu_window_s: float = field(default=0.0, metadata=_stat(
+        COUNTER, "wall seconds the CPU counters cover (the epochs, like `elapsed_s`)", "s", "cpu"))
+    machine_busy_s: float = field(default=0.0, metadata=_stat(
+        COUNTER, "CPU-seconds the whole machine was busy in that window: every program's, the kernel's and the "
+                 "hypervisor's steal (`/proc/stat`)", "CPU-s", "cpu"))
+    program_cpu_s: float = field(default=0.0, metadata=_stat(
+        COUNTER, "CPU-seconds of this process (loader and training loop) plus its workers (`/proc/<pid>/stat`)",
+        "CPU-s", "cpu"))
+    worker_cpu_s: float = field(default=0.0, metadata=_stat(
+        COUNTER, "CPU-seconds of the workers alone", "CPU-s", "cpu"))
+    worker_cpu_wait_s: float = field(default=0.0, metadata=_stat(
+        COUNTER, "seconds the workers' threads were runnable but waiting for a CPU "
+                 "(`/proc/<pid>/task/*/schedstat`)", "s", "cpu"))
+    cpus: int = field(default=0, metadata=_stat(
+        GAUGE, "the machine's CPUs (`/proc/stat`)", "CPUs", "cpu"))
+    cpu_wait_measured: bool = field(default=False, metadata=_stat(
+        GAUGE, "whether the kernel reported the workers' scheduler waits", "", "cpu"))
+    samples_per_s: float = field(init=False, metadata=_stat(
+        DERIVED, "`samples / elapsed_s`: what the training loop received from `iter(loader)` on, start-up "
+                 "included", "samples/s",
+        formula=lambda s: s.samples / s.elapsed_s if s.elapsed_s > 0 else 0.0))
+    steady_samples_per_s: float = field(init=False, metadata=_stat(
+        DERIVED, "`(samples - first_batch_samples) / (elapsed_s - first_batch_s)`: after each epoch's first "
+                 "batch (what `aioload bench` prints)", "samples/s",
+        formula=lambda s: ((s.samples - s.first_batch_samples) / _steady(s)
+                           if _steady(s) > 0 and s.samples - s.first_batch_samples > 0 else 0.0)))
+    wait_fraction: float = field(init=False, metadata=_stat(
+        DERIVED, "`wait_s / (elapsed_s - first_batch_s)`: the share of the steady state in which training stood "
+                 "still for want of data", "",
+        formula=lambda s: min(1.0, s.wait_s / _steady(s)) if _steady(s) > 0 else 0.0))
+    decode_ms_per_sample: float = field(init=False, metadata=_stat(
+        DERIVED, "`decode_s / decoded`", "ms",
+        formula=lambda s: s.decode_s / s.decoded * 1e3 if s.decoded else 0.0))
+    mean_reads_in_flight: float = field(init=False, metadata=_stat(
+        DERIVED, "`read_s / elapsed_s` (Little's law)", "reads",
+        formula=lambda s: s.read_s / s.elapsed_s if s.elapsed_s > 0 else 0.0))
+    decode_busy: float = field(init=False, metadata=_stat(
+        DERIVED, "`decode_s / (elapsed_s * num_workers)`: the share of the workers' time spent decoding "
+                 "(start-up included in `elapsed_s`, so short runs read low)", "",
+        formula=lambda s: (min(1.0, s.decode_s / (s.elapsed_s * max(1, s.num_workers)))
+                           if s.elapsed_s > 0 else 0.0)))
+    decode_cpu_share: float = field(init=False, metadata=_stat(
+        DERIVED, "`decode_cpu_s / decode_s`: near 100% for CPU-bound decoding on free cores; low when workers "
+                 "wait for a CPU or on I/O", "",
+        formula=lambda s: min(1.0, s.decode_cpu_s / s.decode_s) if s.decode_s > 0 else 1.0))
+    others_cpus: float = field(init=False, metadata=_stat(
+        DERIVED, "CPUs used by other programs per second of the window (`machine_busy_s - program_cpu_s`)",
+        "CPUs", formula=lambda s: _per_window(max(0.0, s.machine_busy_s - s.program_cpu_s), s)))
+    idle_cpus: float = field(init=False, metadata=_stat(
+        DERIVED, "CPUs left idle per second of the window", "CPUs",
+        formula=lambda s: _per_window(max(0.0, s.cpus * s.cpu_window_s - s.machine_busy_s), s)))
+    program_cpus: float = field(init=False, metadata=_stat(
+        DERIVED, "CPUs used by this program per second of the window; `cpu_evidence` says these three in words",
+        "CPUs", formula=lambda s: _per_window(s.program_cpu_s, s)))
+    verdict_category: str = field(init=False, metadata=_stat(
+        DERIVED, "what the verdict found, one of the names below: for programs and tests, which should not "
+                 "parse the sentence"))
+    verdict: str = field(init=False, metadata=_stat(
+        DERIVED, "one line, below"))
 
     def __post_init__(self):
-        steady = self.elapsed_s - self.first_batch_s
-        workers = max(1, self.num_workers)
-        window = self.cpu_window_s
-        steady_samples = self.samples - self.first_batch_samples
-        derived = {
-            "samples_per_s": self.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0,
-            "steady_samples_per_s": steady_samples / steady if steady > 0 and steady_samples > 0 else 0.0,
-            "wait_fraction": min(1.0, self.wait_s / steady) if steady > 0 else 0.0,
-            "decode_ms_per_sample": self.decode_s / self.decoded * 1e3 if self.decoded else 0.0,
-            "mean_reads_in_flight": self.read_s / self.elapsed_s if self.elapsed_s > 0 else 0.0,
-            "decode_busy": min(1.0, self.decode_s / (self.elapsed_s * workers)) if self.elapsed_s > 0 else 0.0,
-            "decode_cpu_share": min(1.0, self.decode_cpu_s / self.decode_s) if self.decode_s > 0 else 1.0,
-            "others_cpus": max(0.0, self.machine_busy_s - self.program_cpu_s) / window if window > 0 else 0.0,
-            "idle_cpus": max(0.0, self.cpus * window - self.machine_busy_s) / window if window > 0 else 0.0,
-            "program_cpus": self.program_cpu_s / window if window > 0 else 0.0,
-        }
-        for name, value in derived.items():
-            object.__setattr__(self, name, value)
+        for name, stat in _FORMULAS:
+            object.__setattr__(self, name, stat.formula(self))
         category, sentence = diagnose(self)
         object.__setattr__(self, "verdict_category", category)
         object.__setattr__(self, "verdict", sentence)
@@ -143,11 +239,10 @@ class LoaderStats:
         """The figures of the interval from ``earlier`` to this snapshot. Gauges (reads in
         flight, queue occupancy, limits) and read percentiles are this snapshot's own; read
         percentiles cover the most recent reads."""
-        counters = {}
-        for f in fields(self):
-            if f.init and f.name in _COUNTERS:
-                counters[f.name] = getattr(self, f.name) - getattr(earlier, f.name)
-        counters["skipped"] = self.skipped[len(earlier.skipped):]
+        counters: dict[str, Any] = {}
+        for name in _COUNTERS:
+            later, before = getattr(self, name), getattr(earlier, name)
+            counters[name] = later[len(before):] if isinstance(later, tuple) else later - before
         return replace(self, **counters)
 
     @property
@@ -165,12 +260,20 @@ class LoaderStats:
         return format_stats(self)
 
 
-_COUNTERS = frozenset({
-    "batches", "samples", "epochs", "elapsed_s", "first_batch_s", "wait_s", "reads", "bytes_read",
-    "read_s", "decoded", "decode_s", "decode_cpu_s", "worker_restarts", "skipped_total",
-    "first_batch_samples", "cpu_window_s", "machine_busy_s", "program_cpu_s", "worker_cpu_s",
-    "worker_cpu_wait_s", "executor_tasks", "executor_bytes",
-})
+STATS: dict[str, Stat] = {f.name: f.metadata["stat"] for f in fields(LoaderStats)}
+"""Every statistic, by name, in the order of :class:`LoaderStats`'s fields."""
+_FORMULAS = tuple((name, s) for name, s in STATS.items() if s.formula is not None)
+_COUNTERS = tuple(name for name, s in STATS.items() if s.kind == COUNTER)
+_RECORDED = {f.name: f.default for f in fields(LoaderStats) if STATS[f.name].source == "recorder"}
+"""What :class:`StatsRecorder` keeps, with the value :meth:`StatsRecorder.reset` gives it."""
+_CPU = tuple(name for name, s in STATS.items() if s.source == "cpu")
+
+
+def stats_table() -> str:
+    """The table of every statistic in ``docs/stats.md`` (a test keeps the two equal)."""
+    rows = ["| field | kind | unit | meaning |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{name}` | {s.kind} | {s.unit} | {s.doc} |" for name, s in STATS.items()]
+    return "\n".join(rows)
 
 
 def diagnose(s: LoaderStats) -> tuple[str, str]:
@@ -314,6 +417,10 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[pos]
 
 
+_CPU_SUMS = ("cpu_window_s", "machine_busy_s", "program_cpu_s", "worker_cpu_s", "worker_cpu_wait_s")
+"""The CPU counters :class:`CpuWindow` adds up (its :meth:`~CpuWindow.totals` adds ``cpus`` and
+``cpu_wait_measured``: together, the statistics of source ``"cpu"``)."""
+
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -359,7 +466,7 @@ class CpuWindow:
 
     def __init__(self, workers: Callable[[], list[int | None]]):
         self.workers = workers
-        self.closed = dict(window=0.0, busy=0.0, program=0.0, worker=0.0, wait=0.0)
+        self.closed = dict.fromkeys(_CPU_SUMS, 0.0)
         self.measured = False  # scheduler wait figures were read for some worker
         self.cpus = 0
         self._base: tuple | None = None
@@ -397,15 +504,16 @@ class CpuWindow:
             if waited is not None and waited0 is not None:
                 wait += waited - waited0
                 self.measured = True
-        return dict(window=now[0] - base[0], busy=now[1] - base[1], program=now[2] - base[2] + worker,
-                    worker=worker, wait=wait)
+        return dict(cpu_window_s=now[0] - base[0], machine_busy_s=now[1] - base[1],
+                    program_cpu_s=now[2] - base[2] + worker, worker_cpu_s=worker, worker_cpu_wait_s=wait)
 
     def totals(self) -> dict:
+        """The :data:`STATS` of source ``"cpu"``, by name, over every window so far."""
         totals = dict(self.closed)
         if self._base is not None:
             for key, value in self._delta(self._base).items():
                 totals[key] += value
-        return totals
+        return dict(totals, cpus=self.cpus, cpu_wait_measured=self.measured)
 
 
 SKIPPED_KEPT = 10_000
@@ -421,33 +529,25 @@ class StatsRecorder:
 
     RING = 2048
 
+    if TYPE_CHECKING:  # the counters (``batches``, ``reads``, ...) are set by reset() from STATS
+        def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
+
     def __init__(self):
         self._lock = threading.Lock()
         self.worker_pids: Callable[[], list[int | None]] = list  # set by the loader: its workers' pids
         self.reset()
 
     def reset(self) -> None:
+        """Every counter back to zero (the statistics of source ``"recorder"``, from
+        :data:`STATS`), the latency ring emptied, no epoch running."""
         with self._lock:
-            self.batches = 0
-            self.samples = 0
-            self.epochs = 0
-            self.wait_s = 0.0
-            self.first_batch_s = 0.0
-            self.reads = 0
-            self.bytes_read = 0
-            self.read_s = 0.0
+            for name, default in _RECORDED.items():
+                setattr(self, name, default)
+            self.skipped: list = []  # the first SKIPPED_KEPT indices
             self._latencies: list[float] = []
             self._ring_pos = 0
-            self.decode_s = 0.0
-            self.decode_cpu_s = 0.0
-            self.decoded = 0
-            self.reads_in_flight = 0
-            self.queue_occupancy = 0
-            self.skipped: list = []  # the first SKIPPED_KEPT indices
-            self.skipped_total = 0
-            self.worker_restarts = 0
-            self.shm_bytes = 0
-            self.first_batch_samples = 0
             self._cpu = CpuWindow(lambda: self.worker_pids())
             self._closed_s = 0.0
             self._epoch_start: float | None = None
@@ -472,18 +572,19 @@ class StatsRecorder:
         self.reads += 1
         self.bytes_read += nbytes
         self.read_s += seconds
-        self._latency(seconds)
+        self._keep_latency(seconds)
 
     def worker_reads(self, latencies: list[float], nbytes: int) -> None:
-        """Reads a worker process made for one task (``read_in_workers``): counted as reads,
-        their latencies in the percentiles; never in flight as seen from here."""
+        """Reads done in worker processes (not on the event loop, so never in flight here):
+        ``latencies`` in seconds, one per read, ``nbytes`` their bytes together."""
         self.reads += len(latencies)
         self.bytes_read += nbytes
         self.read_s += sum(latencies)
         for seconds in latencies:
-            self._latency(seconds)
+            self._keep_latency(seconds)
 
-    def _latency(self, seconds: float) -> None:
+    def _keep_latency(self, seconds: float) -> None:
+        """Into the ring of the :attr:`RING` most recent read latencies."""
         latencies = self._latencies
         if len(latencies) < self.RING:
             latencies.append(seconds)
@@ -571,19 +672,9 @@ class StatsRecorder:
         (``queue_occupancy``, ``io_concurrency``, ``queue_depth``, ``num_workers``, ...)."""
         with self._lock:
             latencies = list(self._latencies)
-            values: dict[str, Any] = dict(
-                batches=self.batches, samples=self.samples, epochs=self.epochs,
-                elapsed_s=self._elapsed(), first_batch_s=self.first_batch_s, wait_s=self.wait_s,
-                reads=self.reads, bytes_read=self.bytes_read, read_s=self.read_s,
-                decoded=self.decoded, decode_s=self.decode_s, decode_cpu_s=self.decode_cpu_s,
-                reads_in_flight=max(0, self.reads_in_flight), queue_occupancy=self.queue_occupancy,
-                skipped=tuple(self.skipped), skipped_total=self.skipped_total, worker_restarts=self.worker_restarts,
-                shm_bytes=self.shm_bytes, first_batch_samples=self.first_batch_samples,
-            )
-            cpu = self._cpu.totals()
-            values.update(cpu_window_s=cpu["window"], machine_busy_s=cpu["busy"], program_cpu_s=cpu["program"],
-                          worker_cpu_s=cpu["worker"], worker_cpu_wait_s=cpu["wait"], cpus=self._cpu.cpus,
-                          cpu_wait_measured=self._cpu.measured)
+            values: dict[str, Any] = {name: getattr(self, name) for name in _RECORDED}
+            values.update(elapsed_s=self._elapsed(), reads_in_flight=max(0, self.reads_in_flight),
+                          skipped=tuple(self.skipped), **self._cpu.totals())
         values["read_p50_ms"] = _percentile(latencies, 0.5) * 1e3
         values["read_p99_ms"] = _percentile(latencies, 0.99) * 1e3
         values.update(gauges)

@@ -545,7 +545,7 @@ GROUPS = {  # inclusive: a sample counts once in a group when any frame of its s
         "aioload/_decode.py", "aioload/_slots.py", "aioload/_slotlayout.py", "aioload/_slotread.py",
         "aioload/_slotwrite.py", "aioload/_chunks.py", "aioload/_tree.py"),
     "aioload ready queue and consumer (_ready, _iterator, _loader)": (
-        "aioload/_ready.py", "aioload/_iterator.py", "aioload/_loader.py"),
+        "aioload/_ready.py", "aioload/_iterator.py", "aioload/_epoch.py", "aioload/_loader.py"),
     "aioload statistics (_stats)": ("aioload/_stats.py",),
 }
 LOOP_ONLY = "event loop's own C code (uvloop; no Python frame below Engine._run)"
