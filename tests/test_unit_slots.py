@@ -120,6 +120,7 @@ def test_the_pool_keeps_at_most_target_free_slots(no_leak):
     assert {s.id for s in reused} == {slots[0].id, slots[1].id} and len(calls.registered) == 5
     fresh = pool.acquire()
     assert fresh.id not in {s.id for s in slots}, "ids are never reused: workers key slots by id"
+    assert pool.live == 3 and pool.peak_bytes == 5 * pool.layout.size
     for slot in reused + [fresh]:
         pool.release(slot)
     pool.close()
