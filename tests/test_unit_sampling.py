@@ -26,7 +26,7 @@ from aioload._seeding import derive_seed
 
 # ----------------------------------------------------------------------------- helpers
 def make_planner(length=10, batch_size=3, *, shuffle=False, drop_last=False, seed=None, generator=None,
-                 sampler=None, batch_sampler=None, dataset=None):
+                 sampler=None, batch_sampler=None, dataset=None, num_workers=0, persistent_workers=False):
     """A Planner over a torch DataLoader built as ``aioload.DataLoader`` builds its own."""
     dataset = range(length) if dataset is None else dataset
     seed_generator = torch.Generator() if seed is not None else None
@@ -37,7 +37,8 @@ def make_planner(length=10, batch_size=3, *, shuffle=False, drop_last=False, see
     if batch_sampler is not None:
         batch_size, drop_last = 1, False  # torch's rule: batch_sampler excludes both
     torch_loader = TorchDataLoader(dataset, batch_size, shuffle, sampler, batch_sampler,
-                                   drop_last=drop_last, generator=gen)
+                                   num_workers, drop_last=drop_last, generator=gen,
+                                   persistent_workers=persistent_workers)
     return Planner(torch_loader, seed, seed_generator, iterable=False)
 
 
@@ -122,6 +123,24 @@ def test_seed_makes_each_epoch_a_function_of_seed_and_epoch_only():
     # one planner going through epochs gives what a fresh one gives for each epoch
     planner = make_planner(20, 5, shuffle=True, seed=3)
     assert [indices_of(batches(planner, e)) for e in range(3)] == [epoch_of(3, e)[0] for e in range(3)]
+
+
+def test_persistent_workers_draw_one_base_seed_and_derive_the_later_ones():
+    gen = torch.Generator().manual_seed(21)
+    planner = make_planner(6, 2, generator=gen, num_workers=2, persistent_workers=True)
+    first = batches_and_base(planner, 0)[1]
+    assert first == int(torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(21)))
+    state = gen.get_state()
+    assert [batches_and_base(planner, e)[1] for e in (1, 2)] == [derive_seed(first, 1), derive_seed(first, 2)]
+    assert torch.equal(gen.get_state(), state), "later epochs draw nothing from the generator"
+    per_epoch = make_planner(6, 2, generator=torch.Generator().manual_seed(21), num_workers=2)
+    bases = [batches_and_base(per_epoch, e)[1] for e in range(2)]
+    assert bases[0] == first and bases[1] != derive_seed(first, 1), "without persistence: a draw per epoch"
+
+
+def batches_and_base(planner, epoch):
+    plan, _ = planner.plan(epoch, None, False)
+    return list(plan.batches), plan.base_seed
 
 
 def test_seed_without_shuffle_keeps_dataset_order():
