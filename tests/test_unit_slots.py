@@ -2,7 +2,7 @@
 
 # unit tests: no worker process
 
-A pool is built over a real :class:`~aioload._layout.Layout` and real memfd segments; the
+A pool is built over a real :class:`~aioload._slotlayout.Layout` and real memfd segments; the
 ``register`` callback (the worker pool's, which sends each new slot's fd to the workers) is a
 recorder here, and pinning is off (no device), so ``fence`` must never be asked for an event.
 """
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from aioload._layout import Layout, LeafSpec
+from aioload._slotlayout import Layout, LeafSpec
 from aioload._slots import SlotPool
 
 ROWS = 8
