@@ -1,16 +1,16 @@
 """aioload: a PyTorch data loader with asyncio reads, worker-process decode and zero-copy batches."""
 
 from aioload import transforms
-from aioload._cache import CacheStats, MemoryCache
+from aioload._storage.cache import CacheStats, MemoryCache
 from aioload._dataset import Dataset
-from aioload._diskcache import DiskCache
+from aioload._storage.diskcache import DiskCache
 from aioload._errors import DataLoaderTimeoutError, LoaderClosedError, TooManyErrorsError, WorkerCrashedError
 from aioload._loader import DataLoader
-from aioload._retry import RemoteReadError, RetryPolicy
-from aioload._stats import LoaderStats
-from aioload._storage import Storage, read_bytes, read_range
+from aioload._storage.retry import RemoteReadError, RetryPolicy
+from aioload._observe.stats import LoaderStats
+from aioload._storage.storage import Storage, read_bytes, read_range
 from aioload._strings import StringList
-from aioload._synth import make_data
+from aioload._tools.synth import make_data
 
 __version__ = "0.1.0"
 

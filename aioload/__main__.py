@@ -1,5 +1,5 @@
 import sys
 
-from aioload._cli import main
+from aioload._tools.cli import main
 
 sys.exit(main())

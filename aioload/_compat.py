@@ -12,8 +12,7 @@ import warnings
 import torch
 from torch.autograd.profiler import record_function
 
-from aioload import _device
-
+from aioload._handoff import device as _device
 # Profiler ranges around each batch, as torch's iterators have: the "enumerate(DataLoader)#"
 # prefix is what profile viewers (TensorBoard's profiler plugin) count as data loading; the
 # rest says it is aioload's and what the training loop was doing.

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from aioload._cache import MemoryCache
-from aioload._diskcache import DiskCache
+from aioload._storage.cache import MemoryCache
+from aioload._storage.diskcache import DiskCache
 
 
 class _NotReady:

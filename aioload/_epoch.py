@@ -23,14 +23,14 @@ from aioload._compat import WAITING, profiled, warn_iterable_length
 from aioload._errors import LoaderClosedError
 
 if TYPE_CHECKING:
-    from aioload._budget import ErrorBudget
-    from aioload._engine import Engine
-    from aioload._monitor import Monitor
-    from aioload._ready import ReadyQueue
+    from aioload._engine.budget import ErrorBudget
+    from aioload._engine.engine import Engine
+    from aioload._observe.monitor import Monitor
+    from aioload._engine.ready import ReadyQueue
     from aioload._resources import _Resources
     from aioload._sampling import EpochProgress
-    from aioload._spec import Plan
-    from aioload._stats import StatsRecorder
+    from aioload._engine.spec import Plan
+    from aioload._observe.stats import StatsRecorder
 
 SUPERSEDED = ("this epoch ended because iter() was called on the same DataLoader again: an "
               "aioload.DataLoader runs one epoch at a time; use two loaders to walk two epochs side by side")

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from aioload import _device
-from aioload._budget import SKIPPED, run_in_process
+from aioload._handoff import device as _device
+from aioload._engine.budget import SKIPPED, run_in_process
 from aioload._compat import LOADING, WAITING_ASYNC, profiled
 from aioload._epoch import EpochContext, EpochIterator, EpochSource
 from aioload._seeding import sample_seed, seed_everything
 
 if TYPE_CHECKING:
-    from aioload._budget import ErrorBudget
-    from aioload._spec import Ready
+    from aioload._engine.budget import ErrorBudget
+    from aioload._engine.spec import Ready
 
 try:
     import numpy as np

@@ -10,18 +10,18 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from aioload import _device
+from aioload._handoff import device as _device
 from aioload._compat import WAITING_ASYNC, profiled
 from aioload._epoch import EpochContext, EpochIterator, EpochSource
 from aioload._errors import DataLoaderTimeoutError
-from aioload._gpudecode import DecodeTransfer
+from aioload._engine.gpudecode import DecodeTransfer
 from aioload._inprocess import _AllSkipped, _decode_in_process
-from aioload._ready import EndOfEpoch
-from aioload._spec import Failure, Ready, _Cancelled
+from aioload._engine.ready import EndOfEpoch
+from aioload._engine.spec import Failure, Ready, _Cancelled
 
 if TYPE_CHECKING:
-    from aioload._engine import Engine
-    from aioload._ready import ReadyQueue
+    from aioload._engine.engine import Engine
+    from aioload._engine.ready import ReadyQueue
 
 _END = object()
 

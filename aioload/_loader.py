@@ -2,7 +2,7 @@
 
 The loader validates its arguments exactly as torch's DataLoader does (by building one, which
 also gives it torch's sampler logic), owns the worker pool and the slot pool, and starts one
-:class:`~aioload._engine.Engine` per epoch. The iterator it returns (:mod:`aioload._iterator`)
+:class:`~aioload._engine.engine.Engine` per epoch. The iterator it returns (:mod:`aioload._iterator`)
 takes finished batches from the ready queue; dropping it, ``break``, an exception or Ctrl-C
 stops the engine. With ``num_workers=0`` and a plain dataset, loading runs in the caller's
 thread (:mod:`aioload._inprocess`). Both iterators share one base (:mod:`aioload._epoch`) and
@@ -25,27 +25,27 @@ from torch.utils.data import IterableDataset
 from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 from torch.utils.data._utils.collate import default_collate
 
-from aioload import _device
-from aioload._budget import budget_for, check_max_errors, epoch_samples, logger
+from aioload._handoff import device as _device
+from aioload._engine.budget import budget_for, check_max_errors, epoch_samples, logger
 from aioload._compat import len_called, warn_as_torch_iterator
 from aioload._dataset import is_split
-from aioload._engine import Engine
+from aioload._engine.engine import Engine
 from aioload._epoch import EpochContext
-from aioload import _executor
+from aioload._engine import executor as _executor
 from aioload._errors import LoaderClosedError
-from aioload import _gpudecode
+from aioload._engine import gpudecode as _gpudecode
 from aioload._inprocess import _InProcessIterator
 from aioload._iterator import _Iterator
-from aioload._monitor import Monitor, check_options
-from aioload._pool import WorkerPool, batches_in_flight, choose_context
-from aioload._ready import ReadyQueue
+from aioload._observe.monitor import Monitor, check_options
+from aioload._workers.pool import WorkerPool, batches_in_flight, choose_context
+from aioload._engine.ready import ReadyQueue
 from aioload._resources import _LIVE, _Resources, _finalize_loader
 from aioload._sampling import EpochProgress, Planner, shard_sampler
 from aioload._seeding import derive_seed
-from aioload._spec import Plan, Spec
-from aioload._stats import LoaderStats, StatsRecorder
-from aioload._tune import check_knob, is_auto, make_tuner
-from aioload._worker import WorkerConfig, _batched_fetch
+from aioload._engine.spec import Plan, Spec
+from aioload._observe.stats import LoaderStats, StatsRecorder
+from aioload._observe.tune import check_knob, is_auto, make_tuner
+from aioload._workers.worker import WorkerConfig, _batched_fetch
 
 # torch's class, taken at import: a program may then put aioload's in its place
 # (``torch.utils.data.DataLoader = aioload.DataLoader``) for code it does not own.
@@ -388,7 +388,7 @@ class DataLoader(Generic[_T_co]):
         return now
 
     def _reads_in_workers(self, settings: _PoolSettings) -> bool:
-        """Whether the workers await ``dataset.read`` themselves (:mod:`aioload._workerreads`)."""
+        """Whether the workers await ``dataset.read`` themselves (:mod:`aioload._workers.reads`)."""
         if not self._split or self._iterable or self.executor is not None or settings.num_workers == 0:
             return False
         if self.read_in_workers is not None:

@@ -10,11 +10,11 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING
 
-from aioload._spec import Shared
+from aioload._engine.spec import Shared
 
 if TYPE_CHECKING:
-    from aioload._engine import Engine
-    from aioload._pool import WorkerPool
+    from aioload._engine.engine import Engine
+    from aioload._workers.pool import WorkerPool
 
 _LIVE: "weakref.WeakSet[_Resources]" = weakref.WeakSet()
 _EXITING = False
@@ -32,7 +32,7 @@ class _Resources:
         self.pid = os.getpid()  # a forked child (any worker process) inherits a copy: not its to close
         self.lost: str | None = None  # why the last pool was lost (a crash), until it is replaced
         self.workers = 0  # worker processes per pool, once one has been started
-        self.executor = None  # an aioload._executor.ExecutorStage with executor=
+        self.executor = None  # an aioload._engine.executor.ExecutorStage with executor=
         watch_exit()
 
     def started_here(self) -> bool:

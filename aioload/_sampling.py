@@ -25,9 +25,9 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
 from aioload import _resume
-from aioload._ready import Delivered
+from aioload._engine.ready import Delivered
 from aioload._seeding import derive_seed, draw_base_seed
-from aioload._spec import Plan
+from aioload._engine.spec import Plan
 
 
 def distributed_rank() -> tuple[int, int] | None:

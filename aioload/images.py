@@ -22,13 +22,13 @@ import torch
 import torchvision.io
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_allowed_extension, make_dataset
 
-from aioload import _fsspec
-from aioload._cache import MemoryCache
-from aioload._diskcache import DiskCache
-from aioload._gpudecode import check_decode_device, encoded_payload
+from aioload._storage import fsspec as _fsspec
+from aioload._storage.cache import MemoryCache
+from aioload._storage.diskcache import DiskCache
+from aioload._engine.gpudecode import check_decode_device, encoded_payload
 from aioload._dataset import NOT_READY, Dataset
-from aioload._mounts import is_network
-from aioload._storage import Storage, locate, read_bytes_blocking
+from aioload._storage.mounts import is_network
+from aioload._storage.storage import Storage, locate, read_bytes_blocking
 
 __all__ = ["ImageFiles", "ImageFolder", "decode_image"]
 
@@ -149,7 +149,7 @@ class _Images(Dataset):
         return self.storage.read_bytes_blocking(self.path(index)), self._target(index)
 
     def decode(self, raw: tuple) -> Any:
-        if len(raw) == 3:  # decode_device: a JPEG goes to the GPU as it is (see aioload._gpudecode)
+        if len(raw) == 3:  # decode_device: a JPEG goes to the GPU as it is (see aioload._engine.gpudecode)
             data, target, index = raw
             if isinstance(data, _LocalFile):
                 data = read_bytes_blocking(data.path)

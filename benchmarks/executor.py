@@ -1,8 +1,8 @@
 """Batches made by an executor: the built-in pool against ProcessPoolExecutor, ThreadPoolExecutor
 and a Dask cluster, locally and behind HTTP latency, on the same JPEGs with the same transform.
 
-Every loader decodes the same synthetic ImageNet-like JPEGs (``aioload._synth``) with the
-same transform (``RandomResizedCrop(224)`` + flip, ``aioload._bench.rrc_flip``) and the same
+Every loader decodes the same synthetic ImageNet-like JPEGs (``aioload._tools.synth``) with the
+same transform (``RandomResizedCrop(224)`` + flip, ``aioload._tools.bench.rrc_flip``) and the same
 number of worker processes or threads:
 
 * ``built-in pool``: ``aioload.DataLoader(num_workers=W)``, shared-memory batch slots;
@@ -131,7 +131,7 @@ def factories(dataset, executors: dict, args, with_torch: bool) -> dict:
 
 def compare(made: dict, args, progress):
     """Interleaved rounds of ``args.epochs`` epochs per loader; a Comparison holding the runs."""
-    from aioload._bench import Comparison, measure
+    from aioload._tools.bench import Comparison, measure
 
     comparison = Comparison(made)
     names = list(made)
@@ -148,7 +148,7 @@ def _stage(name: str):
     """One image's work for ``--gil``: a function of the JPEG's bytes."""
     import io
 
-    from aioload._bench import rrc_flip
+    from aioload._tools.bench import rrc_flip
     from aioload.images import decode_image
 
     if name == "decode, torchvision":
@@ -179,7 +179,7 @@ def gil(paths: list[str], workers: int, repeat: int, rounds: int) -> str:
     thread each): how much of it runs outside the GIL."""
     import torch
 
-    from aioload._bench import ceiling_of, median
+    from aioload._tools.bench import ceiling_of, median
     from aioload.images import decode_image
 
     torch.set_num_threads(1)
@@ -231,7 +231,7 @@ def rows(case: str, comparison, names: list[str], batch: int) -> list[tuple]:
         stats = [r.stats for r in runs if r.stats is not None and getattr(r.stats, "executor_tasks", 0)]
         kb = p50 = None
         if stats:
-            from aioload._bench import median
+            from aioload._tools.bench import median
 
             kb = median(s.executor_bytes / s.executor_tasks for s in stats) / 1024
             p50 = median(s.task_p50_ms for s in stats)
@@ -282,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     import remote  # benchmarks/remote.py: its HTTP server
 
     import aioload
-    from aioload._bench import environment, rrc_flip
-    from aioload._synth import cache_dir, make_image_folder
+    from aioload._tools.bench import environment, rrc_flip
+    from aioload._tools.synth import cache_dir, make_image_folder
 
     root = make_image_folder(args.data or cache_dir() / f"executor-bench-{args.images}", images=args.images,
                              classes=8, seed=0)

@@ -36,9 +36,9 @@ import torch
 from torchvision.transforms import v2
 
 import aioload
-from aioload import _device
-from aioload._bench import BenchImages, ceiling, environment, rrc_flip
-from aioload._synth import make_image_folder
+from aioload._handoff import device as _device
+from aioload._tools.bench import BenchImages, ceiling, environment, rrc_flip
+from aioload._tools.synth import make_image_folder
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -307,7 +307,7 @@ def gpu_decode_matches(root, device, workers: int) -> str:
 
 def gpu_decode_rate(paths: list[str], batch: int, device, seconds: float = 10.0) -> float:
     """img/s of batched nvJPEG decode + RandomResizedCrop(224) + flip on the device."""
-    from aioload._gpudecode import decode_batch
+    from aioload._engine.gpudecode import decode_batch
 
     data = [torch.frombuffer(bytearray(Path(p).read_bytes()), dtype=torch.uint8) for p in paths]
     transform = rrc_flip()

@@ -64,8 +64,8 @@ from dataclasses import dataclass, field
 import torch
 
 import aioload
-from aioload._bench import ceiling, environment, median, rrc_flip
-from aioload._synth import cache_dir, make_image_folder
+from aioload._tools.bench import ceiling, environment, median, rrc_flip
+from aioload._tools.synth import cache_dir, make_image_folder
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import remote  # noqa: E402  (benchmarks/remote.py: the HTTP server and the classic blocking-GET recipe)
@@ -148,7 +148,7 @@ class Run:
 
 def measure(make_loader, limit: int | None = None) -> Run:
     """One epoch of a fresh loader (cut short after ``limit`` images): img/s and main-process
-    CPU count the batches after the first one, as ``aioload._bench.measure`` does."""
+    CPU count the batches after the first one, as ``aioload._tools.bench.measure`` does."""
     gc.collect()
     loader = make_loader()
     images, start, cpu0, clocks0, probing = 0, None, 0.0, {}, 0.0
@@ -539,14 +539,14 @@ GROUPS = {  # inclusive: a sample counts once in a group when any frame of its s
         "concurrent/futures/", "asyncio/futures.py", "base_futures.py", "run_in_executor"),
     "aiohttp client": ("aiohttp/",),
     "aioload read stage and storage (_reads, _storage, _http, _limiter)": (
-        "aioload/_reads.py", "aioload/_storage.py", "aioload/_http.py", "aioload/_limiter.py"),
-    "aioload worker hand-off (_pool, _wire: tasks out, replies in)": ("aioload/_pool.py", "aioload/_wire.py"),
+        "aioload/_engine/reads.py", "aioload/_storage/storage.py", "aioload/_storage/http.py", "aioload/_engine/limiter.py"),
+    "aioload worker hand-off (_pool, _wire: tasks out, replies in)": ("aioload/_workers/pool.py", "aioload/_workers/wire.py"),
     "aioload batch bookkeeping (_decode, _slots, _slotread, _slotwrite, _chunks)": (
-        "aioload/_decode.py", "aioload/_slots.py", "aioload/_slotlayout.py", "aioload/_slotread.py",
-        "aioload/_slotwrite.py", "aioload/_chunks.py", "aioload/_tree.py"),
+        "aioload/_engine/decode.py", "aioload/_handoff/slots.py", "aioload/_handoff/layout.py", "aioload/_handoff/views.py",
+        "aioload/_handoff/writers.py", "aioload/_handoff/chunks.py", "aioload/_handoff/tree.py"),
     "aioload ready queue and consumer (_ready, _iterator, _loader)": (
-        "aioload/_ready.py", "aioload/_iterator.py", "aioload/_epoch.py", "aioload/_loader.py"),
-    "aioload statistics (_stats)": ("aioload/_stats.py",),
+        "aioload/_engine/ready.py", "aioload/_iterator.py", "aioload/_epoch.py", "aioload/_loader.py"),
+    "aioload statistics (_stats)": ("aioload/_observe/stats.py",),
 }
 LOOP_ONLY = "event loop's own C code (uvloop; no Python frame below Engine._run)"
 

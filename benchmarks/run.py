@@ -31,8 +31,8 @@ import sys
 import torch
 
 import aioload
-from aioload._bench import BenchImages, Comparison, ceiling, ceiling_of, environment, median, rrc_flip
-from aioload._synth import make_image_folder
+from aioload._tools.bench import BenchImages, Comparison, ceiling, ceiling_of, environment, median, rrc_flip
+from aioload._tools.synth import make_image_folder
 
 
 class TinyRows(torch.utils.data.Dataset):

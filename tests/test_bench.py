@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import aioload
-from aioload import _cli
-from aioload._synth import default_root
+from aioload._tools import cli as _cli
+from aioload._tools.synth import default_root
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--images", "32", "--batch-size", "8", "--workers", "1", "--rounds", "1"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import aioload
-from aioload import _executor
+from aioload._engine import executor as _executor
 from tests.executor_data import Augmented, KillsItsProcess, Pids, PlainAugmented, Unpickled, getpid
 from tests.httpserver import Server
 

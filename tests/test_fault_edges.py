@@ -102,7 +102,7 @@ def _exception_classes() -> list[type[BaseException]]:
     import pkgutil
 
     found = {}
-    for info in pkgutil.iter_modules(aioload.__path__, "aioload."):
+    for info in pkgutil.walk_packages(aioload.__path__, "aioload."):
         if info.name == "aioload.__main__":
             continue
         module = importlib.import_module(info.name)
@@ -424,8 +424,7 @@ def test_a_sampler_index_that_cannot_be_pickled_fails_its_batch_and_the_pool_goe
 def test_a_readers_buffer_grown_for_a_large_message_is_given_back():
     import socket
 
-    from aioload import _wire
-
+    from aioload._workers import wire as _wire
     ours, theirs = socket.socketpair()
     with ours, theirs:
         reader = _wire.Reader(theirs)

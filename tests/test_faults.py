@@ -699,8 +699,7 @@ class _OddFails(torch.utils.data.Dataset):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_skipped_indices_are_counted_all_but_kept_only_up_to_a_bound(workers, monkeypatch):
-    from aioload import _stats
-
+    from aioload._observe import stats as _stats
     monkeypatch.setattr(_stats, "SKIPPED_KEPT", 10)
     with aioload.DataLoader(_OddFails(), batch_size=4, num_workers=workers, on_error="skip") as loader:
         before = loader.stats()
@@ -716,8 +715,7 @@ def test_skipped_indices_are_counted_all_but_kept_only_up_to_a_bound(workers, mo
 def test_an_error_while_reading_replies_reaches_the_consumer_and_the_next_epoch_works(monkeypatch):
     """The engine's reply callback failing (here a reply it cannot parse) ends the epoch with
     that error, promptly, and leaves nothing behind that keeps the next epoch from running."""
-    from aioload import _wire
-
+    from aioload._workers import wire as _wire
     real = _wire.Reader.read_available
     calls = {"n": 0}
 
@@ -744,7 +742,7 @@ def test_a_fork_taken_while_another_thread_computes_a_layout_property_does_not_d
     them at once."""
     import threading
 
-    from aioload._slotlayout import LeafSpec, _memo
+    from aioload._handoff.layout import LeafSpec, _memo
 
     assert type(LeafSpec.__dict__["nbytes"]) is _memo and type(LeafSpec.__dict__["torch_dtype"]) is _memo
     parent = os.getpid()

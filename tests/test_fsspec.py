@@ -17,7 +17,7 @@ import torch
 from torchvision.transforms import v2
 
 import aioload
-from aioload import _scope
+from aioload._storage import scope as _scope
 from tests.reference import pil_image
 
 

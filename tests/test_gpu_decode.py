@@ -26,7 +26,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 import aioload
-from aioload._synth import make_image_folder
+from aioload._tools.synth import make_image_folder
 from tests.reference import pil_image
 
 ROOT = Path(__file__).resolve().parent.parent

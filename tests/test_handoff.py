@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from aioload._chunks import ChunkWriter, Unsupported, check_supported, join_chunks, load_chunk, move_chunk_into_slot
-from aioload._shm import Segment
-from aioload._slotlayout import ALIGN, NO_SPEC, Column, Inline, Layout, LeafSpec, Overflow, in_column, leaf_spec, number_spec
-from aioload._slotread import SlotView, collate_rows, load_batch, load_rows
-from aioload._slotwrite import RowWriter, SlotWriter, column_views, move_into_slot
-from aioload._tree import leaves, map_leaves, map_tensors
+from aioload._handoff.chunks import ChunkWriter, Unsupported, check_supported, join_chunks, load_chunk, move_chunk_into_slot
+from aioload._handoff.shm import Segment
+from aioload._handoff.layout import ALIGN, NO_SPEC, Column, Inline, Layout, LeafSpec, Overflow, in_column, leaf_spec, number_spec
+from aioload._handoff.views import SlotView, collate_rows, load_batch, load_rows
+from aioload._handoff.writers import RowWriter, SlotWriter, column_views, move_into_slot
+from aioload._handoff.tree import leaves, map_leaves, map_tensors
 
 Point = namedtuple("Point", "x y")
 

@@ -27,8 +27,8 @@ import pytest
 from aiohttp import web
 
 import aioload
-from aioload import _http
-from aioload._retry import parse_retry_after
+from aioload._storage import http as _http
+from aioload._storage.retry import parse_retry_after
 from tests.httpserver import REPO, Server
 
 FAST = aioload.RetryPolicy(attempts=3, backoff=0.001, max_delay=0.01, timeout=30)

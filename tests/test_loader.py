@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import aioload
-from aioload import _decode
-from aioload._pool import PER_WORKER_TASKS
+from aioload._engine import decode as _decode
+from aioload._workers.pool import PER_WORKER_TASKS
 from tests.conftest import aioload_threads, child_pids
 from tests.datasets import FailsAt, SlowReads, SlowSquares, Squares
 

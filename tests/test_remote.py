@@ -16,8 +16,8 @@ import torch
 from torchvision.transforms import v2
 
 import aioload
-from aioload import _scope
-from aioload._retry import parse_retry_after
+from aioload._storage import scope as _scope
+from aioload._storage.retry import parse_retry_after
 from tests.httpserver import Server, Status
 from tests.reference import pil_image
 

@@ -205,9 +205,9 @@ class _Copy:
 
 
 def _pinned_pool(target: int, copies: list, monkeypatch):
-    from aioload import _slots
-    from aioload._slotlayout import Layout, LeafSpec
-    from aioload._slots import SlotPool
+    from aioload._handoff import slots as _slots
+    from aioload._handoff.layout import Layout, LeafSpec
+    from aioload._handoff.slots import SlotPool
 
     monkeypatch.setattr(_slots, "_cuda_unregister", lambda segment: None)  # no device here
 
@@ -228,7 +228,7 @@ def _pinned_pool(target: int, copies: list, monkeypatch):
 def test_no_fence_is_made_while_cuda_is_not_in_use():
     # A process that never touched CUDA (none visible here, whatever the machine) has no copy
     # that could be reading a slot: releasing one must not initialise CUDA to make an event.
-    code = ("import torch; from aioload._slots import cuda_fence; "
+    code = ("import torch; from aioload._handoff.slots import cuda_fence; "
             "assert cuda_fence() is None; assert not torch.cuda.is_initialized(); print('ok')")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

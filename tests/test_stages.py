@@ -14,19 +14,19 @@ from types import SimpleNamespace
 import pytest
 
 import aioload
-from aioload._budget import ErrorBudget
+from aioload._engine.budget import ErrorBudget
 from aioload._dataset import NOT_READY
-from aioload._decode import WHOLE_BATCH_SECONDS, DecodeStage, LayoutLesson
+from aioload._engine.decode import WHOLE_BATCH_SECONDS, DecodeStage, LayoutLesson
 from aioload._errors import DataLoaderTimeoutError, pack_exception
-from aioload._slotlayout import LeafSpec
-from aioload._limiter import Limiter
-from aioload._messages import (Done, DropSlots, InitError, Shutdown, StartEpoch, Stopped, Task, TaskError,
+from aioload._handoff.layout import LeafSpec
+from aioload._engine.limiter import Limiter
+from aioload._workers.messages import (Done, DropSlots, InitError, Shutdown, StartEpoch, Stopped, Task, TaskError,
                                WorkerReady)
-from aioload._reads import ReadStage
-from aioload._spec import Shared, Spec
-from aioload._stats import StatsRecorder
-from aioload._stuck import InFlight, StuckReport
-from aioload._wire import Reader, encode, send_blocking
+from aioload._engine.reads import ReadStage
+from aioload._engine.spec import Shared, Spec
+from aioload._observe.stats import StatsRecorder
+from aioload._engine.stuck import InFlight, StuckReport
+from aioload._workers.wire import Reader, encode, send_blocking
 
 
 class Reads(aioload.Dataset):

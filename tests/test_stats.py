@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import aioload
-from aioload._limiter import Limiter
-from aioload._stats import LoaderStats, StatsRecorder, format_stats
-from aioload._tune import Controller, Tuner, Window
+from aioload._engine.limiter import Limiter
+from aioload._observe.stats import LoaderStats, StatsRecorder, format_stats
+from aioload._observe.tune import Controller, Tuner, Window
 
 READ_S = 0.02
 BUSY_S = 0.005

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from aioload._stats import COUNTER, DERIVED, GAUGE, STATS, LoaderStats, StatsRecorder, stats_table
+from aioload._observe.stats import COUNTER, DERIVED, GAUGE, STATS, LoaderStats, StatsRecorder, stats_table
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "stats.md"
 SOURCES = {"recorder", "clock", "cpu", "latency", "loader"}

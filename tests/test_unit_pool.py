@@ -1,13 +1,13 @@
-"""Task dispatch of :class:`aioload._pool.PoolSession`: room, order, pinning, errors, crashes.
+"""Task dispatch of :class:`aioload._workers.pool.PoolSession`: room, order, pinning, errors, crashes.
 
 # unit tests: no worker process
 
-A :class:`PoolSession` uses five attributes of its :class:`~aioload._pool.WorkerPool`:
+A :class:`PoolSession` uses five attributes of its :class:`~aioload._workers.pool.WorkerPool`:
 ``num_workers``, ``socks`` (one non-blocking task socket per worker), ``ready`` (which workers
 said they started), ``broken`` (the error that broke the pool) and ``procs`` (``pid``,
 ``exitcode`` and ``join`` of a worker found dead). :class:`StandInPool` provides exactly
 those over real ``socket.socketpair()`` sockets; the test coroutine plays each worker on the
-other end with the worker's own message framing (:mod:`aioload._wire`): it reads the tasks
+other end with the worker's own message framing (:mod:`aioload._workers.wire`): it reads the tasks
 sent to it and answers them when the test decides, so every dispatch decision is observed
 as the bytes a worker receives. The session runs with its real ``serve()`` on the test's loop.
 """
@@ -21,9 +21,9 @@ import socket
 
 import pytest
 
-from aioload import _wire
+from aioload._workers import wire as _wire
 from aioload._errors import WorkerCrashedError, pack_exception
-from aioload._pool import PER_WORKER_TASKS, PoolSession, batches_in_flight
+from aioload._workers.pool import PER_WORKER_TASKS, PoolSession, batches_in_flight
 
 HANG_GUARD = 10  # seconds; nothing here waits on time, this only stops a hang
 

@@ -1,4 +1,4 @@
-"""The ready queue (:mod:`aioload._ready`): order, skips, the end, errors, and its two consumers.
+"""The ready queue (:mod:`aioload._engine.ready`): order, skips, the end, errors, and its two consumers.
 
 # unit tests: no worker process
 
@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from aioload._ready import SKIP, Delivered, EndOfEpoch, ReadyQueue
+from aioload._engine.ready import SKIP, Delivered, EndOfEpoch, ReadyQueue
 
 HANG_GUARD = 10  # seconds; only stops a hang
 

@@ -1,8 +1,8 @@
-"""The slot pool (:class:`aioload._slots.SlotPool`): reuse, the bound, growth, retirement, cleanup.
+"""The slot pool (:class:`aioload._handoff.slots.SlotPool`): reuse, the bound, growth, retirement, cleanup.
 
 # unit tests: no worker process
 
-A pool is built over a real :class:`~aioload._slotlayout.Layout` and real memfd segments; the
+A pool is built over a real :class:`~aioload._handoff.layout.Layout` and real memfd segments; the
 ``register`` callback (the worker pool's, which sends each new slot's fd to the workers) is a
 recorder here, and pinning is off (no device), so ``fence`` must never be asked for an event.
 """
@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from aioload._slotlayout import Layout, LeafSpec
-from aioload._slots import SlotPool
+from aioload._handoff.layout import Layout, LeafSpec
+from aioload._handoff.slots import SlotPool
 
 ROWS = 8
 LEAF = LeafSpec("t", "torch.int64", (4,))  # 32 bytes a row

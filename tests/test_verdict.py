@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import aioload
-from aioload._stats import CATEGORIES, LoaderStats, machine_cpu, process_cpu
+from aioload._observe.stats import CATEGORIES, LoaderStats, machine_cpu, process_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 LINUX = sys.platform.startswith("linux") and os.path.exists("/proc/stat")

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from aioload._ready import SKIP, ReadyQueue
-from aioload._wire import Reader, encode, send_blocking
+from aioload._engine.ready import SKIP, ReadyQueue
+from aioload._workers.wire import Reader, encode, send_blocking
 
 
 def _messages(seed: int, count: int = 200) -> list:
