@@ -7,9 +7,11 @@ A :class:`PoolSession` uses five attributes of its :class:`~aioload._workers.poo
 said they started), ``broken`` (the error that broke the pool) and ``procs`` (``pid``,
 ``exitcode`` and ``join`` of a worker found dead). :class:`StandInPool` provides exactly
 those over real ``socket.socketpair()`` sockets; the test coroutine plays each worker on the
-other end with the worker's own message framing (:mod:`aioload._workers.wire`): it reads the tasks
-sent to it and answers them when the test decides, so every dispatch decision is observed
-as the bytes a worker receives. The session runs with its real ``serve()`` on the test's loop.
+other end with the worker's own message framing (:mod:`aioload._workers.wire`) and messages
+(:mod:`aioload._workers.messages`): it says ``WorkerReady``/``InitError``, reads the ``Task`` and
+``StartEpoch`` values sent to it, and answers each task with a ``Done`` when the test decides,
+so every dispatch decision is observed as the messages a worker receives. The session runs
+with its real ``serve()`` on the test's loop.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 
 from aioload._workers import wire as _wire
 from aioload._errors import WorkerCrashedError, pack_exception
+from aioload._workers.messages import Done, InitError, StartEpoch, Task, WorkerReady
 from aioload._workers.pool import PER_WORKER_TASKS, PoolSession, batches_in_flight
 
 HANG_GUARD = 10  # seconds; nothing here waits on time, this only stops a hang
@@ -47,11 +50,11 @@ class PlayedWorker:
         self.sock = sock
         sock.setblocking(False)
         self.reader = _wire.Reader(sock)
-        self.got: list = []  # every task received, in order: (kind, task_id, slot, payload, drops)
+        self.got: list = []  # every message received (Task, StartEpoch, ...), in order
         self.answered: set[int] = set()
 
     def received(self) -> list:
-        """The tasks that arrived since the last call (sent while the session dispatched)."""
+        """The messages that arrived since the last call (sent while the session dispatched)."""
         new = []
         while True:
             messages = self.reader.read_available()
@@ -61,29 +64,44 @@ class PlayedWorker:
         self.got.extend(new)
         return new
 
+    def tasks(self) -> list[Task]:
+        """The tasks that arrived since the last call; nothing but tasks is expected."""
+        new = self.received()
+        assert all(type(m) is Task for m in new), f"worker {self.wid} got {new}"
+        return new
+
     def ids(self) -> list[int]:
-        return [task[1] for task in self.received()]
+        return [t.task_id for t in self.tasks()]
 
     def labels(self) -> list:
         """The payloads of the tasks that arrived since the last call."""
-        return [task[3] for task in self.received()]
+        return [t.payload for t in self.tasks()]
 
-    def say(self, *message) -> None:
+    def say(self, message) -> None:
         self.sock.sendall(_wire.encode(message))
 
-    def answer(self, task_id: int, *rest) -> None:
+    def ready(self) -> None:
+        self.say(WorkerReady(4000 + self.wid))
+
+    def answer(self, task_id: int, label=None) -> None:
         self.answered.add(task_id)
-        self.say("done", task_id, *rest)
+        self.say(done(task_id, label))
 
     def answer_all(self) -> None:
         """Answer every task received and not answered yet."""
         self.received()
         for message in self.got:
-            if message[1] not in self.answered:
-                self.answer(message[1])
+            if type(message) is Task and message.task_id not in self.answered:
+                self.answer(message.task_id)
 
     def die(self) -> None:
         self.sock.close()
+
+
+def done(task_id: int, label=None) -> Done:
+    """A worker's reply to task ``task_id``: one batch-wide payload (``label``), no errors, no
+    leaf specs (the samples hold no leaves; the tasks here have no slot), no overflow wanted."""
+    return Done(task_id, [label], [], [], 0, 0.0)
 
 
 class StandInPool:
@@ -117,7 +135,7 @@ def run(body, workers: int = 2, ready: int | None = None, **pool_args):
         serving = asyncio.create_task(session.serve())
         try:
             for worker in pool.workers[: workers if ready is None else ready]:
-                worker.say("ready")
+                worker.ready()
             if ready is None:
                 assert await asyncio.wait_for(session.started(), HANG_GUARD) is None
             else:
@@ -140,15 +158,23 @@ async def until(condition) -> None:
 
 
 def task(session, priority=0, indices=None, payload=None, worker=None):
-    """Queue a task of batch ``priority``; its payload (what the worker sees) defaults to the
-    priority, its dataset indices to ``[priority]``."""
+    """Queue a task of batch ``priority``; its payload (what the worker sees as
+    ``Task.payload``; the pool does not look into it) defaults to the priority, its dataset
+    indices to ``[priority]``."""
     payload = priority if payload is None else payload
     indices = [priority] if indices is None else list(indices)
-    return session.enqueue("batch", None, payload, indices, priority, worker)
+    return session.enqueue("whole", None, payload, indices, priority, worker)
 
 
 async def reply(future):
     return await asyncio.wait_for(future, HANG_GUARD)
+
+
+async def reply_done(future) -> Done:
+    """The reply of a single task, which must be the worker's ``Done`` itself."""
+    result = await reply(future)
+    assert type(result) is Done, result
+    return result
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -158,12 +184,12 @@ def test_a_task_goes_to_the_least_loaded_worker():
         a, b = task(session, 0), task(session, 1)
         (ida,), (idb,) = w0.ids(), w1.ids()
         w0.answer(ida, "a")
-        assert await reply(a) == ("done", ida, "a")
+        assert await reply_done(a) == done(ida, "a")
         # worker 1 still has room (one task of PER_WORKER_TASKS) but worker 0 has none queued
         c = task(session, 2)
         assert w0.labels() == [2] and w1.labels() == []
         w1.answer(idb, "b")
-        assert await reply(b) == ("done", idb, "b")
+        assert await reply_done(b) == done(idb, "b")
         assert not c.done()
 
     run(body)
@@ -178,8 +204,8 @@ def test_each_worker_gets_per_worker_tasks_and_the_rest_wait():
         assert session.requests_for(n) == [([n], None, None)], "the last task waits for room"
         w2 = pool.workers[2]
         first = w2.got[0]
-        w2.answer(first[1])
-        await reply(futures[first[3]])
+        w2.answer(first.task_id)
+        await reply(futures[first.payload])
         assert w2.labels() == [n], "the waiting task went to the worker that had room"
         (indices, wid, task_id), = session.requests_for(n)
         assert (indices, wid) == ([n], 2) and task_id in session.tasks_of(2)
@@ -197,7 +223,7 @@ def test_while_workers_start_each_ready_one_gets_one_task():
         futures = [task(session, p) for p in range(4)]
         assert w0.labels() == [0], "a ready worker takes one task while another is still starting"
         assert w1.labels() == []
-        w1.say("ready")
+        w1.ready()
         assert await asyncio.wait_for(session.started(), HANG_GUARD) is None
         assert session.outstanding() == 2 * PER_WORKER_TASKS
         assert w1.labels() == [1, 3] and w0.labels() == [2]
@@ -216,11 +242,11 @@ def test_lower_priority_numbers_are_sent_first():
             futures[label] = task(session, p, payload=label)
         assert w.labels() == list(range(PER_WORKER_TASKS))
         for _ in range(len(futures)):  # the worker finishes its oldest task, and the next one comes
-            oldest = next(m for m in w.got if m[1] not in w.answered)
-            w.answer(oldest[1])
-            await reply(futures[oldest[3]])
+            oldest = next(m for m in w.got if m.task_id not in w.answered)
+            w.answer(oldest.task_id)
+            await reply(futures[oldest.payload])
             w.labels()
-        assert [m[3] for m in w.got] == [*range(PER_WORKER_TASKS), "3a", "3b", "5", "7"], \
+        assert [m.payload for m in w.got] == [*range(PER_WORKER_TASKS), "3a", "3b", "5", "7"], \
             "lowest priority first; equal priorities in the order they were queued"
 
     run(body, workers=1)
@@ -258,7 +284,7 @@ def test_a_task_that_does_not_pickle_fails_alone_and_leaves_its_worker_free():
         good = [task(session, p) for p in range(1, 1 + PER_WORKER_TASKS)]
         assert len(w.ids()) == PER_WORKER_TASKS, "the failed task took no room on the worker"
         for m in w.got:
-            w.answer(m[1])
+            w.answer(m.task_id)
         await reply(asyncio.gather(*good))
 
     run(body, workers=1)
@@ -308,8 +334,8 @@ def test_a_worker_that_exits_is_reported_with_its_exit_code():
 
 def test_a_failed_worker_init_fn_is_the_error_started_returns():
     async def body(session, pool):
-        pool.workers[0].say("ready")
-        pool.workers[1].say("init_error", pack_exception(ValueError("no GPU for worker 1")))
+        pool.workers[0].ready()
+        pool.workers[1].say(InitError(pack_exception(ValueError("no GPU for worker 1"))))
         error = await asyncio.wait_for(session.started(), HANG_GUARD)
         assert isinstance(error, ValueError) and str(error) == "no GPU for worker 1"
         assert "raised by worker_init_fn in worker 1" in error.__notes__
@@ -346,11 +372,11 @@ def test_dropped_slots_ride_on_each_workers_next_task_once():
         first = [task(session, p) for p in range(2)]
         second = [task(session, p) for p in range(2, 4)]
         for worker in pool.workers:
-            drops = [m[4] for m in worker.received()]
+            drops = [m.drops for m in worker.tasks()]
             assert drops == [[7, 9], []], f"worker {worker.wid}"
         for worker in pool.workers:
             for m in worker.got:
-                worker.answer(m[1])
+                worker.answer(m.task_id)
         await reply(asyncio.gather(*first, *second))
 
     run(body)
@@ -358,12 +384,15 @@ def test_dropped_slots_ride_on_each_workers_next_task_once():
 
 def test_a_broadcast_reaches_every_worker_in_order_with_tasks():
     async def body(session, pool):
-        await session.broadcast(("epoch", 3))
+        await session.broadcast(StartEpoch(3, True))
         pending = task(session, 0)
         got = pool.workers[0].received()
-        assert got[0] == ("epoch", 3) and got[1][0] == "batch"
-        assert pool.workers[1].received() == [("epoch", 3)]
-        pool.workers[0].answer(got[1][1])
+        assert len(got) == 2
+        assert type(got[0]) is StartEpoch and got[0] == StartEpoch(3, True)
+        assert type(got[1]) is Task and got[1].payload == 0
+        (other,) = pool.workers[1].received()
+        assert type(other) is StartEpoch and other == StartEpoch(3, True)
+        pool.workers[0].answer(got[1].task_id)
         await reply(pending)
 
     run(body)
@@ -377,9 +406,9 @@ def test_a_task_larger_than_the_socket_buffer_arrives_whole_and_before_the_next(
         small = task(session, 1, payload=b"after")
         got = []
         await until(lambda: got.extend(w.received()) or len(got) == 2)
-        assert got[0][3] == big and got[1][3] == b"after"
+        assert got[0].payload == big and got[1].payload == b"after"
         for m in got:
-            w.answer(m[1])
+            w.answer(m.task_id)
         await reply(asyncio.gather(large, small))
         assert await session.aclose() is True, "nothing was cut short"
 
@@ -402,8 +431,8 @@ def test_drain_withdraws_waiting_tasks_and_waits_for_sent_ones():
         waiting = task(session, 5)
         assert await session.drain(0.01) is False, "a sent task is unanswered"
         assert waiting.cancelled() and session.requests_for(5) == []
-        for m in w.received():
-            w.answer(m[1])
+        for m in w.tasks():
+            w.answer(m.task_id)
         assert await session.drain(HANG_GUARD) is True
         await reply(asyncio.gather(*sent))
 
