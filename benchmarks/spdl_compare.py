@@ -19,7 +19,8 @@ flight where the loader keeps several:
   decode + transform as a ``pipe`` stage on a ``ThreadPoolExecutor(W)`` (so decoding runs in
   the training process), ``aggregate(batch_size)`` and a collate stage (``torch.stack``);
 * ``SPDL, process pool``: the same with the decode stage on a ``ProcessPoolExecutor(W)``
-  (each returns a numpy array, pickled back; the collate stage makes the tensors);
+  (processes with one intra-op thread each, as torch's workers; each returns a numpy array,
+  pickled back; the collate stage makes the tensors);
 * ``torch DataLoader``: ``remote.py``'s classic recipe, one blocking ``urllib`` GET per sample
   in ``__getitem__``, then the same decode and transform, ``num_workers=W``.
 
@@ -83,6 +84,11 @@ def _decode_to_numpy(item):
     return image.numpy(), label
 
 
+def _one_thread() -> None:
+    """A pool process's initializer: one intra-op thread, as torch's and aioload's workers run."""
+    torch.set_num_threads(1)
+
+
 def _warm(_):
     """Starts a pool's process and builds its transform before the pipeline's threads exist."""
     global _TRANSFORM
@@ -108,7 +114,7 @@ class SpdlLoader:
         self.order = torch.randperm(len(urls)).tolist()
         self.executor: Executor
         if processes:
-            self.executor = ProcessPoolExecutor(workers)
+            self.executor = ProcessPoolExecutor(workers, initializer=_one_thread)
             list(self.executor.map(_warm, range(workers)))
         else:
             self.executor = ThreadPoolExecutor(workers, thread_name_prefix="spdl-decode")
