@@ -45,6 +45,7 @@ import os
 import sys
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from importlib import metadata
+from typing import Callable
 
 import torch
 
@@ -197,7 +198,7 @@ def has_read_in_workers() -> bool:
     return "read_in_workers" in inspect.signature(aioload.DataLoader).parameters
 
 
-def loaders(data: overhead.Data, latency: float, args) -> dict[str, callable]:
+def loaders(data: overhead.Data, latency: float, args) -> dict[str, Callable]:
     urls = data.urls(latency)
     files = aioload.ImageFiles(urls, data.labels, transform=data.transform)
     common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.workers, drop_last=True)
