@@ -50,7 +50,7 @@ from typing import Callable
 import torch
 
 import aioload
-from aioload._bench import environment, median, rrc_flip
+from aioload._tools.bench import environment, median, rrc_flip
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead  # noqa: E402  (benchmarks/overhead.py: the data, the servers, measure())
