@@ -23,9 +23,9 @@ NOT_READY = _NotReady()
 class Dataset(torch.utils.data.Dataset):
     """A map-style dataset whose loading is split in two.
 
-    * ``async def read(self, index)`` does the I/O. It runs on the loader's event loop, up to
-      ``io_concurrency`` at once, in the main process; return raw bytes and whatever small
-      metadata ``decode`` needs (a label, a path).
+    * ``async def read(self, index)`` does the I/O. It runs on an event loop, up to
+      ``io_concurrency`` at once; return raw bytes and whatever small metadata ``decode``
+      needs (a label, a path).
     * ``def decode(self, raw)`` does the CPU work (decode, augment). It runs in a worker
       process and returns the sample: tensors, numbers, strings, and dicts/tuples of them.
 
