@@ -49,7 +49,7 @@ def servers_for(root: Path) -> list[int]:
                 state = f.read().rsplit(b")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != b"Z" and any(a.endswith(b"_benchserver.py") for a in argv) and os.fsencode(root) in argv:
+        if state != b"Z" and any(a.endswith(b"/_tools/benchserver.py") for a in argv) and os.fsencode(root) in argv:
             found.append(int(entry))
     return found
 

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 from aioload._storage import scope as _scope
 from aioload._dataset import Dataset
 
-SERVER = Path(__file__).resolve().parent / "_benchserver.py"
+SERVER = Path(__file__).resolve().parent / "benchserver.py"
 
 
 class Server:
