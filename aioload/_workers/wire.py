@@ -167,23 +167,6 @@ class Reader:
             messages.append(message)
         return None if n == 0 and not messages else messages
 
-    def recv_nowait(self) -> list | None:
-        """Every complete message that has arrived, without waiting, on a blocking socket (a
-        worker looking ahead at the tasks queued behind the one it is about to run); ``None``
-        once the peer has gone away and no complete message is left."""
-        try:
-            n = self.sock.recv_into(self._space(), 0, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            n = -1
-        except OSError:
-            n = 0
-        if n > 0:
-            self._end += n
-        messages = []
-        while (message := self._parse()) is not _INCOMPLETE:
-            messages.append(message)
-        return None if n == 0 and not messages else messages
-
     def recv_blocking(self) -> object | None:
         """The next message; ``None`` when the peer has gone away."""
         while True:

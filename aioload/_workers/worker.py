@@ -6,13 +6,14 @@ loader stops it or its socket closes (the parent went away): a worker never outl
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import itertools
 import os
+import queue
 import signal
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -103,8 +104,7 @@ class _Worker:
         self.iterator = None
         self.seeded: int | None = None  # the base seed the worker's RNGs were last seeded from
         self.reads: WorkerReads | None = None  # with cfg.read_in_workers, once worker_init_fn has run
-        self.closed = False  # the parent went away: serve what has arrived, then stop
-        self.pending: collections.deque = collections.deque()  # (message, reading) taken in, not yet served
+        self.inbox: queue.SimpleQueue | None = None  # with reads here: (message, reading) in arrival order
 
     # -- set-up -------------------------------------------------------------------------
     def start_epoch(self, base_seed: int, per_sample_seeds: bool) -> None:
@@ -388,31 +388,27 @@ class _Worker:
     # -- reads in this worker (cfg.read_in_workers) ------------------------------------------
     def next_message(self) -> tuple | None:
         """The next message and, for a task, its reads started here (else ``None``); ``None``
-        once the parent has gone away. With reads in this worker, every task that has
-        arrived has its reads started before the worker turns to the first of them: they run
-        on the worker's loop while this thread decodes."""
-        if not self.pending:
-            msg = None if self.closed else self.reader.recv_blocking()
-            if msg is None:
-                return None
-            self.pending.append(self.take(msg))
-        self.look_ahead()
-        return self.pending.popleft()
+        once the parent has gone away. With reads in this worker, a receiving thread takes
+        every message in as it arrives and starts its task's reads at once: they run on the
+        worker's loop while this thread decodes the tasks before it."""
+        if self.inbox is None:
+            msg = self.reader.recv_blocking()
+            return None if msg is None else (msg, None)
+        return self.inbox.get()
 
-    def look_ahead(self) -> None:
-        """Take in the messages that have arrived, starting their tasks' reads."""
-        if self.reads is not None and not self.closed:
-            arrived = self.reader.recv_nowait()
-            if arrived is None:
-                self.closed = True  # serve what has arrived, then stop
-            else:
-                self.pending.extend(self.take(msg) for msg in arrived)
-
-    def take(self, msg) -> tuple:
-        """``(msg, reading)``: a task's reads start now when this worker does them."""
-        if self.reads is None or not isinstance(msg, Task) or msg.kind not in ("rows", "whole"):
-            return msg, None
-        return msg, self.reads.start(list(msg.payload[0]))
+    def receive(self) -> None:
+        """The receiving thread: messages in order into the inbox, reads started on the way;
+        ``None`` last, once the parent has gone away or said to stop."""
+        try:
+            while (msg := self.reader.recv_blocking()) is not None:
+                reading = None
+                if isinstance(msg, Task) and msg.kind in ("rows", "whole"):
+                    reading = self.reads.start(list(msg.payload[0]))
+                self.inbox.put((msg, reading))
+                if isinstance(msg, Shutdown):
+                    break
+        finally:
+            self.inbox.put(None)
 
     def with_reads(self, payload: tuple, reading) -> tuple:
         """The task's payload with its bare indices paired with what their reads returned,
@@ -424,8 +420,7 @@ class _Worker:
                 break
             except concurrent.futures.TimeoutError:
                 # what this worker waits for, should timeout= expire
-                self.mark(self.reads.waiting_for(indices, indices[0]))
-        self.look_ahead()  # tasks sent while this one's reads ran: their reads overlap its decode
+                self.mark(self.reads.waiting_for(indices, None))
         return (list(zip(indices, raws)),) + tuple(payload[1:]), (latencies, nbytes)
 
 
@@ -463,9 +458,16 @@ def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=()) -> 
     except Exception as exc:  # noqa: BLE001
         _wire.send_blocking(sock, InitError(pack_exception(exc)))
         return
+    receiver = None
     if cfg.read_in_workers:
         worker.reads = WorkerReads(cfg.dataset, cfg.io_limit, cfg.read_timeout)
+        worker.inbox = queue.SimpleQueue()
+        # daemon: it blocks on the socket, and the parent's end closing ends it; a worker
+        # told to stop does not wait for it
+        receiver = threading.Thread(target=worker.receive, name="aioload-worker-recv", daemon=True)
     _wire.send_blocking(sock, WorkerReady(os.getpid()))
+    if receiver is not None:
+        receiver.start()
     try:
         worker.serve()
     except (BrokenPipeError, ConnectionResetError):
