@@ -50,25 +50,13 @@ class ReadStage:
                     self.stats.read_done(time.perf_counter() - started, 0)
                     exc.add_note(f"while reading dataset index {index}{self.where(index)}")
                     raise
-                self.stats.read_done(time.perf_counter() - started, _nbytes(raw))
+                self.stats.read_done(time.perf_counter() - started, raw_nbytes(raw))
                 return raw
         finally:
             reading.pop(index, None)
 
     async def _read_within(self, index):
-        limit = self.spec.read_timeout
-        if limit is None:
-            return await self.spec.dataset.read(index)
-        try:
-            async with asyncio.timeout(limit):
-                return await self.spec.dataset.read(index)
-        except TimeoutError:
-            raise DataLoaderTimeoutError(
-                f"dataset.read({index!r}) did not return within read_timeout={limit} seconds; "
-                "raise read_timeout if the storage is just slow, or use on_error='skip' to leave "
-                "such samples out",
-                stuck=[(index, "read")],
-            ) from None
+        return await read_within(self.spec.dataset, index, self.spec.read_timeout)
 
     async def items(self, indices) -> list:
         """``(index, raw)`` pairs; the indices themselves when the dataset has no read stage
@@ -140,7 +128,25 @@ class ReadStage:
         return Ready(batch=indices, samples=len(items), raw=items)
 
 
-def _nbytes(raw) -> int:
+async def read_within(dataset, index, limit: float | None):
+    """``await dataset.read(index)``, failing with :class:`DataLoaderTimeoutError` after
+    ``limit`` seconds (``read_timeout``; ``None``: no limit). The engine's loop and a worker's
+    both read through this."""
+    if limit is None:
+        return await dataset.read(index)
+    try:
+        async with asyncio.timeout(limit):
+            return await dataset.read(index)
+    except TimeoutError:
+        raise DataLoaderTimeoutError(
+            f"dataset.read({index!r}) did not return within read_timeout={limit} seconds; "
+            "raise read_timeout if the storage is just slow, or use on_error='skip' to leave "
+            "such samples out",
+            stuck=[(index, "read")],
+        ) from None
+
+
+def raw_nbytes(raw) -> int:
     if isinstance(raw, (bytes, bytearray, memoryview)):
         return len(raw)
     if isinstance(raw, tuple) and raw and isinstance(raw[0], (bytes, bytearray, memoryview)):

@@ -27,8 +27,7 @@ import time
 
 from aioload._engine.budget import where
 from aioload._dataset import NOT_READY, Dataset
-from aioload._errors import DataLoaderTimeoutError
-from aioload._engine.reads import _nbytes
+from aioload._engine.reads import raw_nbytes, read_within
 
 try:
     import uvloop
@@ -112,33 +111,18 @@ class WorkerReads:
             started = time.perf_counter()
             self._reading.add(index)
             try:
-                raw = await self._read_within(index)
+                raw = await read_within(self.dataset, index, self.read_timeout)
             except Exception as exc:  # noqa: BLE001 - reported with the task's reply
                 return self._failed(index, exc), time.perf_counter() - started, 0
             finally:
                 self._reading.discard(index)
-            return raw, time.perf_counter() - started, _nbytes(raw)
+            return raw, time.perf_counter() - started, raw_nbytes(raw)
 
     def waiting_for(self, indices: list, default):
         """The first of ``indices`` still being read (``default`` when none is): what a task
         waits for, for the progress cell that names a stuck sample."""
         reading = self._reading
         return next((index for index in indices if index in reading), default)
-
-    async def _read_within(self, index):
-        limit = self.read_timeout
-        if limit is None:
-            return await self.dataset.read(index)
-        try:
-            async with asyncio.timeout(limit):
-                return await self.dataset.read(index)
-        except TimeoutError:
-            raise DataLoaderTimeoutError(
-                f"dataset.read({index!r}) did not return within read_timeout={limit} seconds; "
-                "raise read_timeout if the storage is just slow, or use on_error='skip' to leave "
-                "such samples out",
-                stuck=[(index, "read")],
-            ) from None
 
     def _failed(self, index, exc: Exception) -> FailedRead:
         exc.add_note(f"while reading dataset index {index}{where(self._describe, index)}")
