@@ -6,6 +6,7 @@ from aioload._dataset import Dataset
 from aioload._storage.diskcache import DiskCache
 from aioload._errors import DataLoaderTimeoutError, LoaderClosedError, TooManyErrorsError, WorkerCrashedError
 from aioload._loader import DataLoader
+from aioload._mix.dataset import Mix
 from aioload._storage.retry import RemoteReadError, RetryPolicy
 from aioload._observe.stats import LoaderStats
 from aioload._storage.storage import Storage, read_bytes, read_range
@@ -42,6 +43,7 @@ __all__ = [
     "LoaderClosedError",
     "LoaderStats",
     "MemoryCache",
+    "Mix",
     "RemoteReadError",
     "RetryPolicy",
     "Storage",
