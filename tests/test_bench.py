@@ -21,6 +21,8 @@ import aioload
 from aioload._tools import cli as _cli
 from aioload._tools.synth import default_root
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--images", "32", "--batch-size", "8", "--workers", "1", "--rounds", "1"]
 

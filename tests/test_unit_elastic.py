@@ -20,6 +20,8 @@ from aioload._plan.elastic import Segment, remainder, rest_of_epoch
 from aioload._seeding import derive_seed
 from tests.test_unit_sampling import make_planner, ranks  # noqa: F401 - ranks is a fixture
 
+pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
+
 LENGTH, BATCH = 48, 2
 
 
