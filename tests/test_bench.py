@@ -231,6 +231,9 @@ def test_below_the_ceiling_needs_no_note_and_shm_of_zero_has_no_ratio():
     assert re.search(r"\n  /dev/shm MB \(peak\) +18\.4 +none\n", text), text
     used = _cli.table([scenario("local", 500.0, 600.0, ceilings=[640.0], shm=9.2)])
     assert re.search(r"\n  /dev/shm MB \(peak\) +18\.4 +9\.2 +0\.50x\n", used), used
+    # another program's few KB on /dev/shm, below what the table shows, is still none
+    other = _cli.table([scenario("local", 500.0, 600.0, ceilings=[640.0], shm=0.04)])
+    assert re.search(r"\n  /dev/shm MB \(peak\) +18\.4 +none\n", other), other
 
 
 def test_the_step_row_only_with_a_training_step():

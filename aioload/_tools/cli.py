@@ -140,13 +140,18 @@ for a batch. Without a step the consumer does nothing but wait, so any loader wa
 LOADERS = ("torch DataLoader", "aioload DataLoader")
 
 
+def _is_zero(value: float, fmt: str) -> bool:
+    """Zero as the table shows it (/dev/shm is shared: other programs' files come and go)."""
+    return fmt.format(value) == fmt.format(0)
+
+
 def _cell(value: float, fmt: str, zero: str | None) -> str:
-    return zero if zero is not None and value == 0 else fmt.format(value)
+    return zero if zero is not None and _is_zero(value, fmt) else fmt.format(value)
 
 
 def _ratio(torch_value: float, aioload_value: float, fmt: str) -> str:
     """``aioload/torch``; none for shares, and none against (or of) zero."""
-    if fmt.endswith("%}") or not torch_value or not aioload_value:
+    if fmt.endswith("%}") or _is_zero(torch_value, fmt) or _is_zero(aioload_value, fmt):
         return ""
     return f"{aioload_value / torch_value:.2f}x"
 
