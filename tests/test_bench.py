@@ -218,6 +218,10 @@ def test_above_the_ceiling_is_marked_and_explained():
     # workers on 16-batch epochs, 15 batches counted for 14 batches' work
     assert "(600-700 img/s here)" in note and "up to 7% more on 16-batch epochs with 2 workers" in note
     assert note.endswith("Read it as: at the ceiling.")
+    # far above the ceiling and its head start: the load changed during the run
+    noisy = _cli.table([scenario("local", 500.0, 800.0, ceilings=[600.0, 640.0, 700.0])])
+    assert " ".join(noisy.split("\n  * ")[1].split()).endswith(
+        "This far above it, the machine's load changed during the run: measure again when it is quieter.")
     args = argparse.Namespace(latency_ms=20.0, workers=2, data=None, step_ms=0.0)
     assert _cli.summary([local, http], args) == (
         "summary: aioload delivered 1.32x torch's img/s on local files (103% of the ceiling) and 8.12x behind "
