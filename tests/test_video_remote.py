@@ -1,0 +1,99 @@
+"""Videos behind a real HTTP server on 127.0.0.1 (tests/httpserver.py, with Range support):
+MP4s read by range when the clip is known at read time, everything else read whole, each
+file's index probed once per process."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import aioload
+from aioload._media.synth import write_video
+from tests.httpserver import Server
+from tests.media_data import faststart, top_boxes, video
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("served")
+    # 240 frames, a keyframe every 12: about 100 kB, well past the 64 KiB first read
+    write_video(root / "long.mp4", 240, 96, 128, seed=1, keyframe_every=12)
+    faststart(root / "long.mp4", root / "fast.mp4")
+    video(root / "short.mp4", 48, seed=2)
+    video(root / "clip.webm", 24, seed=3, codec="libvpx-vp9")
+    return root
+
+
+@pytest.fixture
+def server(served):
+    with Server(served) as srv:
+        yield srv
+
+
+def spans(ranges: list[str]) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in re.fullmatch(r"bytes=(\d+)-(\d+)", r).groups()) for r in ranges]
+
+
+@pytest.mark.parametrize("name", ["long.mp4", "fast.mp4"])
+def test_uniform_clips_of_a_remote_mp4_are_read_by_range(served, server, name):
+    boxes = [kind for kind, _, _ in top_boxes(served / name)]
+    assert boxes.index(b"moov") > boxes.index(b"mdat") if name == "long.mp4" else boxes.index(b"moov") == 1
+    size = (served / name).stat().st_size
+    args = dict(frames_per_clip=8, clips="uniform", clips_per_video=5)
+    remote = aioload.VideoFiles([server.url(name)], [3], **args)
+    local = aioload.VideoFiles([served / name], [3], **args)
+    for i in range(5):
+        clip, label = remote[i]
+        assert label == 3 and torch.equal(clip, local[i][0]), i
+    read = spans(server.ranges)
+    assert read[0] == (0, 65535)  # the probe: the top-level boxes (and a moov at the front)
+    clips = read[-5:]
+    assert all(end - start + 1 < size / 3 for start, end in clips), (clips, size)
+    assert sum(end - start + 1 for start, end in clips) < size
+    assert server.requests[name] == len(read) <= 5 + 3  # no whole-file read; the probe took at most 3
+
+
+def test_random_clips_read_the_whole_file(served, server):
+    ds = aioload.VideoFiles([server.url("long.mp4")], frames_per_clip=8)
+    torch.manual_seed(0)
+    clip = ds[0]
+    torch.manual_seed(0)
+    assert torch.equal(clip, aioload.VideoFiles([served / "long.mp4"], frames_per_clip=8)[0])
+    assert server.ranges == [] and server.requests["long.mp4"] == 1
+
+
+def test_a_container_without_an_index_here_is_read_whole(served, server):
+    ds = aioload.VideoFiles([server.url("clip.webm")], frames_per_clip=6, clips="uniform", clips_per_video=2)
+    local = aioload.VideoFiles([served / "clip.webm"], frames_per_clip=6, clips="uniform", clips_per_video=2)
+    assert torch.equal(ds[1], local[1])
+    assert spans(server.ranges) == [(0, 65535)]  # the probe found no MP4, so the file came whole
+    assert server.requests["clip.webm"] == 2
+
+
+def test_all_probes_each_file_once_and_forked_workers_keep_the_probes(served, server):
+    names = ["long.mp4", "fast.mp4", "short.mp4"]
+    remote = aioload.VideoFiles([server.url(n) for n in names], [0, 1, 2], frames_per_clip=8, clips="all",
+                                step_between_clips=40)
+    local = aioload.VideoFiles([served / n for n in names], [0, 1, 2], frames_per_clip=8, clips="all",
+                               step_between_clips=40)
+    clips = {"long.mp4": (240 - 8) // 40 + 1, "fast.mp4": (240 - 8) // 40 + 1, "short.mp4": (48 - 8) // 40 + 1}
+    assert len(remote) == len(local) == sum(clips.values()) and remote.metadata == local.metadata
+    probes = dict(server.requests)
+    with aioload.DataLoader(remote, batch_size=4, num_workers=2) as loader:
+        got = list(loader)
+    with aioload.DataLoader(local, batch_size=4, num_workers=0) as loader:
+        expected = list(loader)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
+    assert {n: server.requests[n] - probes[n] for n in names} == clips  # one range read per clip, no probe again
+
+
+def test_concurrent_reads_in_a_worker_share_one_probe(served, server):
+    ds = aioload.VideoFiles([server.url("long.mp4")], frames_per_clip=8, clips="uniform", clips_per_video=8)
+    server.latency = 0.05  # reads overlap: all eight start before the first probe is answered
+    with aioload.DataLoader(ds, batch_size=8, num_workers=1, io_concurrency=8) as loader:
+        (clips,) = list(loader)
+    assert clips.shape == (8, 8, 3, 96, 128)
+    assert server.requests["long.mp4"] == 2 + 8  # head, moov at the end; then one range per clip
