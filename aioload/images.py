@@ -65,10 +65,11 @@ def torchcodec_images() -> Any:
         _TORCHCODEC = False
         version = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
         if version >= (2, 11):
+            decoders: Any = None
             try:
                 import torchcodec.decoders as decoders
             except (ImportError, OSError, RuntimeError):  # not installed, or built for another torch
-                decoders = None
+                pass
             if decoders is not None and hasattr(decoders, "decode_jpeg") and hasattr(decoders, "decode_image"):
                 _TORCHCODEC = decoders
     return _TORCHCODEC or None

@@ -75,9 +75,8 @@ class _Videos(Dataset):
             self._info = _checked_metadata(metadata, len(locations))
         elif not self.spec.per_video_fixed:
             self._info = self._probe_all()
-        if self.spec.per_video_fixed:
-            self._ends = None
-        else:
+        self._ends: np.ndarray | None = None
+        if self._info is not None and not self.spec.per_video_fixed:
             counts = [_clips.clips_in(int(n), float(f), self.spec) for n, f in self._info]
             self._ends = np.cumsum(np.array(counts, dtype=np.int64))
 
@@ -330,7 +329,7 @@ class VideoFolder(_Videos):
     @property
     def targets(self) -> list[int]:
         """The class index of every sample (clip), in order."""
-        return self._sample_targets()
+        return self._sample_targets() or []
 
     def __repr__(self) -> str:
         return (f"VideoFolder(root={self.root!r}, videos={len(self._paths)}, classes={len(self.classes)}, "
