@@ -97,3 +97,72 @@ def test_concurrent_reads_in_a_worker_share_one_probe(served, server):
         (clips,) = list(loader)
     assert clips.shape == (8, 8, 3, 96, 128)
     assert server.requests["long.mp4"] == 2 + 8  # head, moov at the end; then one range per clip
+
+
+def test_with_a_cache_the_reads_stay_in_the_training_process_and_the_ranges_are_kept(served, server):
+    storage = aioload.Storage(cache=aioload.MemoryCache(max_bytes=8 << 20))
+    ds = aioload.VideoFiles([server.url("long.mp4")], frames_per_clip=8, clips="uniform", clips_per_video=4,
+                            storage=storage)
+    assert ds.read_in_workers is False  # the cache lives here: range pieces travel to the workers
+    local = aioload.VideoFiles([served / "long.mp4"], frames_per_clip=8, clips="uniform", clips_per_video=4)
+    with aioload.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True) as loader:
+        first, second = list(loader), list(loader)
+        asked = server.requests["long.mp4"]
+    expected = torch.stack([local[i] for i in range(4)])
+    assert torch.equal(first[0], expected) and torch.equal(second[0], expected)
+    assert asked == 2 + 4  # the probe, then one range per clip; the second epoch came from the cache
+
+
+def test_a_folder_in_an_fsspec_filesystem_lists_and_reads_by_range(served):
+    import uuid
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    base = f"/aioload-videos-{uuid.uuid4().hex}"
+    try:
+        for name, cls in (("long.mp4", "a"), ("fast.mp4", "b")):
+            fs.pipe(f"{base}/{cls}/{name}", (served / name).read_bytes())
+        ds = aioload.VideoFolder(f"memory://{base}", 8, "uniform", clips_per_video=2)
+        assert ds.classes == ["a", "b"] and [t for _, t in ds.samples] == [0, 1]
+        local = aioload.VideoFiles([served / n for n in ("long.mp4", "fast.mp4")], frames_per_clip=8,
+                                   clips="uniform", clips_per_video=2)
+        with aioload.DataLoader(ds, batch_size=4, num_workers=1) as loader:
+            (clips, labels), = list(loader)
+        assert torch.equal(clips, torch.stack([local[i] for i in range(4)])) and labels.tolist() == [0, 0, 1, 1]
+        raw = ds.read_blocking(1)
+        assert raw.source.nbytes < (served / "long.mp4").stat().st_size / 2  # a range, not the file
+    finally:
+        fs.rm(base, recursive=True)
+
+
+def test_a_read_cancelled_while_it_probes_leaves_the_reads_waiting_on_it_to_probe(served):
+    import asyncio
+
+    from aioload._media.source import Probes
+
+    class Stalling(aioload.Storage):
+        """Its first read never returns (a read whose read_timeout expires)."""
+
+        calls = 0
+
+        async def read_range(self, target, offset, length):
+            self.calls += 1
+            if self.calls == 1:
+                await asyncio.sleep(3600)
+            return await super().read_range(target, offset, length)
+
+    async def main():
+        probes, storage, path = Probes(), Stalling(), str(served / "long.mp4")
+        first = asyncio.create_task(probes.get(storage, path))
+        await asyncio.sleep(0)  # the first read is probing (stalled)
+        second = asyncio.create_task(probes.get(storage, path))
+        await asyncio.sleep(0)  # the second waits on the first's probe
+        first.cancel()
+        probe = await asyncio.wait_for(second, 30)
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        return probe, await probes.get(storage, path), storage.calls
+
+    probe, again, calls = asyncio.run(main())
+    assert probe.info.num_frames == 240 and again is probe and calls == 3  # stalled, then head and moov

@@ -201,11 +201,20 @@ class Probes:
             return self._kept[url]
         pending = self._pending.get(url)
         if pending is not None and pending.get_loop() is asyncio.get_running_loop():
-            return await asyncio.shield(pending)
+            try:
+                return await asyncio.shield(pending)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not pending.cancelled() or (task is not None and task.cancelling()):
+                    raise
+                return await self.get(storage, url)  # the read probing it was cancelled, not this one: probe
         future = asyncio.get_running_loop().create_future()
         self._pending[url] = future
         try:
             probe = await probe_remote(storage, url)
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
         except BaseException as exc:
             future.set_exception(exc)
             future.exception()  # retrieved: a probe nobody else awaited is not reported twice

@@ -131,22 +131,34 @@ class _Videos(Dataset):
         video, clip = self.clip_of(index)
         if not self._local[video]:
             return NOT_READY
+        return self._local_raw(video, clip)
+
+    def _local_raw(self, video: int, clip: int) -> ClipRaw:
         where = self.path(video)
-        return ClipRaw(_source.LocalVideo(locate(where)[1]), where, self._target(video), clip)
+        return ClipRaw(_source.LocalVideo(locate(where)[1]), where, self._target(video), clip,
+                       self._known_frames(video, clip, where))
+
+    def _known_frames(self, video: int, clip: int, where: str) -> list[int] | None:
+        """The clip's frames where they follow from the probed metadata (``"uniform"`` and
+        ``"all"`` with ``metadata``), so the decoder's own header does not override it."""
+        if self._info is None or self.spec.clips == "random":
+            return None
+        return _clips.clip_frames(int(self._info[video, 0]), float(self._info[video, 1]), self.spec, clip, where)
 
     async def read(self, index: int) -> ClipRaw:
         video, clip = self.clip_of(index)
         where, target = self.path(video), self._target(video)
         if self._local[video]:
-            return ClipRaw(_source.LocalVideo(locate(where)[1]), where, target, clip)
+            return self._local_raw(video, clip)
         if self.spec.clips != "random" and self.seek_mode == "approximate":
             probe = await self._probes.get(self.storage, where)
             if probe is not None:
-                num_frames, fps = self._frames_and_fps(video, probe.info)
-                frames = _clips.clip_frames(num_frames, fps, self.spec, clip, where)
+                frames = self._known_frames(video, clip, where)
+                if frames is None:
+                    frames = _clips.clip_frames(probe.info.num_frames, probe.info.fps, self.spec, clip, where)
                 sparse = await _source.read_range_of(self.storage, where, probe, frames)
                 return ClipRaw(sparse, where, target, clip, frames)
-        return ClipRaw(await self.storage.read_bytes(where), where, target, clip)
+        return ClipRaw(await self.storage.read_bytes(where), where, target, clip, self._known_frames(video, clip, where))
 
     def read_blocking(self, index: int) -> ClipRaw:
         raw = self.read_nowait(index)
@@ -176,11 +188,6 @@ class _Videos(Dataset):
         return video, target
 
     # -- probing ------------------------------------------------------------------------
-    def _frames_and_fps(self, video: int, info: VideoInfo) -> tuple[int, float]:
-        if self._info is not None:
-            return int(self._info[video, 0]), float(self._info[video, 1])
-        return info.num_frames, info.fps
-
     def _probe_all(self) -> np.ndarray:
         """``(num_frames, fps)`` of every video: local files through a decoder's header (one
         open each), remote ones through :func:`aioload._media.source.probe_remote`, many at
