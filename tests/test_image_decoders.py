@@ -92,3 +92,10 @@ def test_the_fallback_emits_no_deprecation_warning(torchvision_only):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert decode_image(FILES["png"]).shape == (3, 90, 120)
+
+
+def test_before_torch_2_11_torchvisions_operator_decodes(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.10.0")
+    monkeypatch.setattr(images, "_TORCHCODEC", None)  # looked for again, under the older torch
+    assert images.torchcodec_images() is None
+    assert torch.equal(decode_image(FILES["jpeg"]), torchvision_op(FILES["jpeg"]))

@@ -193,3 +193,14 @@ def test_bad_dataset_arguments_are_refused(root):
         aioload.VideoFiles(["a.mp4", "b.mp4", "c.mp4"], [0, 1], frames_per_clip=8)
     with pytest.raises(ValueError, match="^VideoFolder needs a root it can list"):
         aioload.VideoFolder("http://127.0.0.1:1/videos", 8)
+
+
+def test_before_torch_2_11_a_video_dataset_says_what_to_upgrade(root, monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.10.0")
+    monkeypatch.setattr(_decoders, "_TORCHCODEC", None)
+    with pytest.raises(ImportError, match=r"^video and audio decoding needs torchcodec, which needs torch >= 2\.11 "
+                                          r"\(this is torch 2\.10\.0\): upgrade torch, then pip install "
+                                          r"'aioload\[video\]'$"):
+        aioload.VideoFolder(root, 8)
+    with pytest.raises(ImportError, match="^video and audio decoding needs torchcodec, which needs torch >= 2.11"):
+        aioload.AudioFiles(["a.wav"], sample_rate=8000, seconds=1.0)

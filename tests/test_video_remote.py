@@ -56,13 +56,36 @@ def test_uniform_clips_of_a_remote_mp4_are_read_by_range(served, server, name):
     assert server.requests[name] == len(read) <= 5 + 3  # no whole-file read; the probe took at most 3
 
 
-def test_random_clips_read_the_whole_file(served, server):
-    ds = aioload.VideoFiles([server.url("long.mp4")], frames_per_clip=8)
-    torch.manual_seed(0)
-    clip = ds[0]
-    torch.manual_seed(0)
-    assert torch.equal(clip, aioload.VideoFiles([served / "long.mp4"], frames_per_clip=8)[0])
-    assert server.ranges == [] and server.requests["long.mp4"] == 1
+def test_random_clips_read_a_small_file_whole(served, server):
+    ds = aioload.VideoFiles([server.url("long.mp4"), server.url("short.mp4")], frames_per_clip=8)
+    local = aioload.VideoFiles([served / "long.mp4", served / "short.mp4"], frames_per_clip=8)
+    for index in (0, 0, 1):
+        torch.manual_seed(index)
+        clip = ds[index]
+        torch.manual_seed(index)
+        assert torch.equal(clip, local[index])
+    # long.mp4 (100 kB): the head, its moov (the file is small: read whole), the file; then the file
+    # again; short.mp4 (12 kB) came whole in its first 64 KiB
+    assert spans(server.ranges) == [(0, 65535), spans(server.ranges)[1], (0, 65535)]
+    assert server.requests["long.mp4"] == 4 and server.requests["short.mp4"] == 1
+
+
+def test_random_clips_of_a_large_file_are_read_by_range_after_the_draw(served, server):
+    size = (served / "long.mp4").stat().st_size
+    ds = aioload.VideoFiles([server.url("long.mp4")], [1], frames_per_clip=8, clips_per_video=6,
+                            whole_file_bytes=size // 2)
+    local = aioload.VideoFiles([served / "long.mp4"], [1], frames_per_clip=8, clips_per_video=6)
+    with aioload.DataLoader(ds, batch_size=6, num_workers=2, seed=3) as loader:
+        (clips, labels), = list(loader)
+    with aioload.DataLoader(local, batch_size=6, num_workers=0, seed=3) as loader:
+        (expected, _), = list(loader)
+    assert torch.equal(clips, expected) and labels.tolist() == [1] * 6
+    read = spans(server.ranges)
+    assert server.requests["long.mp4"] == len(read)  # never the whole file
+    clip_reads = [end - start + 1 for start, end in read if start != 0 and end - start + 1 != 65536]
+    assert len(clip_reads) >= 6 and max(clip_reads) < size / 3
+    with pytest.raises(ValueError, match="^whole_file_bytes must be an int >= 0 [(]bytes[)], got -1$"):
+        aioload.VideoFiles([server.url("long.mp4")], frames_per_clip=8, whole_file_bytes=-1)
 
 
 def test_a_container_without_an_index_here_is_read_whole(served, server):

@@ -12,11 +12,16 @@ Which, and why:
   (:meth:`~aioload._media.probe.TrackIndex.span`). The decoder reads that through
   :class:`Sparse`, a file object holding the pieces read, in which every other byte is zero
   and never decoded. A clip then costs its group of pictures, not the file.
+* **A remote MP4 sampled at random** (``clips="random"``) is read whole when it is small:
+  the clip is drawn in ``decode``, seeded per sample, so the read cannot know which bytes it
+  will need. Its first read is the 64 KiB head (the whole of a smaller file); a larger one is
+  probed, and read whole up to the dataset's ``whole_file_bytes``; beyond that, ``decode``
+  draws the clip and then reads its range itself, one blocking round trip (:class:`Deferred`),
+  so memory stays bounded whatever the files' sizes.
 * **Everything else** is read whole, through the same storage, bounded by its ``max_bytes``
-  (1 GiB unless set): ``clips="random"`` (the clip is drawn in ``decode``, seeded per sample,
-  so the read cannot know which bytes it will need), containers without an index read here
-  (WebM/Matroska, AVI, MPEG-TS, fragmented MP4), and audio (compressed audio has no byte
-  index of sample positions, and audio files are small).
+  (1 GiB unless set): containers without an index read here (WebM/Matroska, AVI, MPEG-TS,
+  fragmented MP4), ``seek_mode="exact"`` (its scan reads every packet), and audio
+  (compressed audio has no byte index of sample positions, and audio files are small).
 """
 
 from __future__ import annotations
@@ -49,6 +54,22 @@ class LocalVideo:
 
     def __repr__(self) -> str:
         return f"LocalVideo({self.path!r})"
+
+
+class Deferred:
+    """The raw item of a remote MP4 too large to read whole for a random clip: ``decode``
+    draws the clip, then reads its range (a blocking round trip, in the worker)."""
+
+    __slots__ = ("url",)
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def __reduce__(self):
+        return (Deferred, (self.url,))
+
+    def __repr__(self) -> str:
+        return f"Deferred({self.url!r})"
 
 
 class Sparse(io.RawIOBase):
@@ -123,10 +144,12 @@ def info_of(decoder) -> VideoInfo:
     return VideoInfo(int(meta.num_frames or 0), fps, int(meta.width or 0), int(meta.height or 0), str(meta.codec))
 
 
-async def probe_remote(storage, url: str) -> RemoteIndex | None:
+async def probe_remote(storage, url: str, head: bytes | None = None) -> RemoteIndex | None:
     """The index of the remote MP4 at ``url``, from its top-level boxes and its ``moov``;
-    ``None`` when it is no MP4 with one (it is then read whole)."""
-    head = await storage.read_range(url, 0, HEAD_BYTES)
+    ``None`` when it is no MP4 with one (it is then read whole). ``head``: its first
+    :data:`HEAD_BYTES`, where they were read already."""
+    if head is None:
+        head = await storage.read_range(url, 0, HEAD_BYTES)
     if head[4:8] != b"ftyp":
         return None
     pieces: list[tuple[int, bytes]] = []
@@ -194,7 +217,12 @@ class Probes:
         if self._pid != os.getpid():
             self._pending, self._pid = {}, os.getpid()
 
-    async def get(self, storage, url: str) -> RemoteIndex | None:
+    def known(self, url: str) -> bool:
+        """Whether ``url`` was probed in this process (and is still kept)."""
+        self._check_process()
+        return url in self._kept
+
+    async def get(self, storage, url: str, head: bytes | None = None) -> RemoteIndex | None:
         self._check_process()
         if url in self._kept:
             self._kept.move_to_end(url)
@@ -207,11 +235,11 @@ class Probes:
                 task = asyncio.current_task()
                 if not pending.cancelled() or (task is not None and task.cancelling()):
                     raise
-                return await self.get(storage, url)  # the read probing it was cancelled, not this one: probe
+                return await self.get(storage, url, head)  # the read probing it was cancelled, not this one
         future = asyncio.get_running_loop().create_future()
         self._pending[url] = future
         try:
-            probe = await probe_remote(storage, url)
+            probe = await probe_remote(storage, url, head)
         except asyncio.CancelledError:
             future.cancel()
             raise

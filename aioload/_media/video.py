@@ -36,6 +36,10 @@ PROBES_AT_ONCE = 32
 
 SEEK_MODES = ("approximate", "exact")
 
+WHOLE_FILE_BYTES = 32 * 1024 * 1024
+"""Remote MP4s up to this size are read whole for ``clips="random"``; larger ones are read by
+range in ``decode`` (see :mod:`aioload._media.source`)."""
+
 
 class ClipRaw(NamedTuple):
     """What ``read`` hands ``decode``: the bytes' source, where they come from (for errors),
@@ -54,13 +58,17 @@ class _Videos(Dataset):
     reads through a :class:`aioload.Storage`, decoding with torchcodec."""
 
     def _setup(self, locations: Sequence[str], targets, frames_per_clip, clips, clips_per_video, frame_step,
-               frame_rate, step_between_clips, transform, target_transform, storage, seek_mode, metadata) -> None:
+               frame_rate, step_between_clips, transform, target_transform, storage, seek_mode, metadata,
+               whole_file_bytes) -> None:
         _decoders.torchcodec_decoders()  # fail here, not in a worker, when torchcodec or FFmpeg is missing
         self.spec = _clips.ClipSpec(frames_per_clip, clips, clips_per_video, frame_step, frame_rate,
                                     step_between_clips)
         if seek_mode not in SEEK_MODES:
             raise ValueError(f"seek_mode must be 'approximate' or 'exact', got {seek_mode!r}")
         self.seek_mode = seek_mode
+        if isinstance(whole_file_bytes, bool) or not isinstance(whole_file_bytes, int) or whole_file_bytes < 0:
+            raise ValueError(f"whole_file_bytes must be an int >= 0 (bytes), got {whole_file_bytes!r}")
+        self.whole_file_bytes = whole_file_bytes
         self.transform = transform
         self.target_transform = target_transform
         if storage is not None and not isinstance(storage, Storage):
@@ -150,7 +158,16 @@ class _Videos(Dataset):
         where, target = self.path(video), self._target(video)
         if self._local[video]:
             return self._local_raw(video, clip)
-        if self.spec.clips != "random" and self.seek_mode == "approximate":
+        if self.spec.clips == "random" and self.seek_mode == "approximate":
+            head = None
+            if not self._probes.known(where):
+                head = await self.storage.read_range(where, 0, _source.HEAD_BYTES)
+                if len(head) < _source.HEAD_BYTES:  # that was the whole file
+                    return ClipRaw(head, where, target, clip)
+            probe = await self._probes.get(self.storage, where, head)
+            if probe is not None and probe.size > self.whole_file_bytes:
+                return ClipRaw(_source.Deferred(where), where, target, clip)
+        elif self.seek_mode == "approximate":
             probe = await self._probes.get(self.storage, where)
             if probe is not None:
                 frames = self._known_frames(video, clip, where)
@@ -171,6 +188,8 @@ class _Videos(Dataset):
         source, where, target, clip, frames = raw
         if isinstance(source, _source.LocalVideo):
             decoder = _decoders.LOCAL.video(source.path, where, self.seek_mode)
+        elif isinstance(source, _source.Deferred):
+            decoder, frames = self._read_in_decode(source.url, clip)
         else:
             decoder = _decoders.open_video(source, where, self.seek_mode)
         try:
@@ -186,6 +205,17 @@ class _Videos(Dataset):
         if self.target_transform is not None:
             target = self.target_transform(target)
         return video, target
+
+    def _read_in_decode(self, url: str, clip: int):
+        """A random clip of a remote MP4 too large to read whole: drawn here, then its range
+        read (blocking: one round trip, on a loop of this thread's own)."""
+        probe = _scope.run_blocking(lambda: self._probes.get(self.storage, url))
+        if probe is None:  # the probe was dropped, and the file is no longer an MP4 it can index
+            raise _decoders.MediaError(f"{url} could not be indexed again for a range read: it changed since it was "
+                                       "first read; re-create the dataset, or pass on_error='skip'")
+        frames = _clips.clip_frames(probe.info.num_frames, probe.info.fps, self.spec, clip, url)
+        sparse = _scope.run_blocking(lambda: _source.read_range_of(self.storage, url, probe, frames))
+        return _decoders.open_video(sparse, url, self.seek_mode), frames
 
     # -- probing ------------------------------------------------------------------------
     def _probe_all(self) -> np.ndarray:
@@ -261,7 +291,10 @@ class VideoFiles(_Videos):
 
     ``transform`` gets the whole clip (``torchvision.transforms.v2`` applies one random crop to
     every frame). ``storage=`` (an :class:`aioload.Storage`) sets retries, timeouts, headers,
-    a cache and ``max_bytes`` (the largest file read whole) for URLs. ``seek_mode``:
+    a cache and ``max_bytes`` (the largest file read whole) for URLs; ``whole_file_bytes``
+    (32 MiB): a remote MP4 larger than this, sampled with ``clips="random"``, is not read whole
+    but by range in ``decode``, after the clip is drawn (one blocking round trip per clip), so
+    memory stays bounded whatever the files' sizes. ``seek_mode``:
     torchcodec's, ``"approximate"`` (the header's frame count and rate: right for
     constant-frame-rate video, no scan) or ``"exact"`` (each decoder first demuxes the whole
     file; for variable frame rates). See docs/video.md.
@@ -271,13 +304,15 @@ class VideoFiles(_Videos):
                  frames_per_clip: int, clips: str = "random", clips_per_video: int = 1, frame_step: int = 1,
                  frame_rate: float | None = None, step_between_clips: int = 1, transform: Callable | None = None,
                  target_transform: Callable | None = None, storage: Storage | None = None,
-                 seek_mode: str = "approximate", metadata: Sequence[tuple[int, float]] | None = None):
+                 seek_mode: str = "approximate", metadata: Sequence[tuple[int, float]] | None = None,
+                 whole_file_bytes: int = WHOLE_FILE_BYTES):
         if isinstance(paths_or_urls, (str, bytes, os.PathLike)):
             raise TypeError("paths_or_urls must be a sequence of paths or URLs, not a single one: "
                             "wrap it in a list, or use aioload.VideoFolder for a folder")
         locations = [os.fspath(p) for p in paths_or_urls]
         self._setup(locations, _labels(labels, len(locations)), frames_per_clip, clips, clips_per_video, frame_step,
-                    frame_rate, step_between_clips, transform, target_transform, storage, seek_mode, metadata)
+                    frame_rate, step_between_clips, transform, target_transform, storage, seek_mode, metadata,
+                    whole_file_bytes)
 
     @property
     def targets(self) -> list | None:
@@ -304,7 +339,7 @@ class VideoFolder(_Videos):
                  step_between_clips: int = 1, extensions: tuple[str, ...] | None = VIDEO_EXTENSIONS,
                  is_valid_file: Callable[[str], bool] | None = None, allow_empty: bool = False,
                  storage: Storage | None = None, seek_mode: str = "approximate",
-                 metadata: Sequence[tuple[int, float]] | None = None):
+                 metadata: Sequence[tuple[int, float]] | None = None, whole_file_bytes: int = WHOLE_FILE_BYTES):
         from torchvision.datasets.folder import find_classes, make_dataset
 
         from aioload.images import _listed_folder
@@ -326,7 +361,8 @@ class VideoFolder(_Videos):
         self.extensions = extensions
         targets = np.array([t for _, t in samples], dtype=np.int64)
         self._setup([p for p, _ in samples], targets, frames_per_clip, clips, clips_per_video, frame_step,
-                    frame_rate, step_between_clips, transform, target_transform, storage, seek_mode, metadata)
+                    frame_rate, step_between_clips, transform, target_transform, storage, seek_mode, metadata,
+                    whole_file_bytes)
 
     @property
     def samples(self) -> list[tuple[str, int]]:
