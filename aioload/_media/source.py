@@ -222,6 +222,11 @@ class Probes:
         self._check_process()
         return url in self._kept
 
+    def kept(self, url: str) -> RemoteIndex | None:
+        """``url``'s probe if this process holds it, else ``None`` (no I/O)."""
+        self._check_process()
+        return self._kept.get(url)
+
     async def get(self, storage, url: str, head: bytes | None = None) -> RemoteIndex | None:
         self._check_process()
         if url in self._kept:

@@ -46,7 +46,7 @@ class ClipRaw(NamedTuple):
     the label, the clip's number within its video, and its frames when the read already chose
     them (a range read)."""
 
-    source: Any  # LocalVideo, Sparse or bytes
+    source: Any  # LocalVideo, Sparse, Deferred or bytes
     where: str
     target: Any
     clip: int
@@ -209,7 +209,9 @@ class _Videos(Dataset):
     def _read_in_decode(self, url: str, clip: int):
         """A random clip of a remote MP4 too large to read whole: drawn here, then its range
         read (blocking: one round trip, on a loop of this thread's own)."""
-        probe = _scope.run_blocking(lambda: self._probes.get(self.storage, url))
+        probe = self._probes.kept(url)
+        if probe is None:
+            probe = _scope.run_blocking(lambda: self._probes.get(self.storage, url))
         if probe is None:  # the probe was dropped, and the file is no longer an MP4 it can index
             raise _decoders.MediaError(f"{url} could not be indexed again for a range read: it changed since it was "
                                        "first read; re-create the dataset, or pass on_error='skip'")
