@@ -133,7 +133,7 @@ class TrackIndex:
         one decoded (the reordering depth, plus ``margin`` frames on either side against an
         edit list that shifts the numbering)."""
         n = len(self)
-        lo = max(0, min(frames) - margin)
+        lo = min(max(0, min(frames) - margin), n - 1)
         hi = min(n - 1, max(frames) + margin)
         samples = self.shown[lo:hi + 1]
         first, last = int(samples.min()), int(samples.max())
@@ -228,14 +228,13 @@ def _track(data: bytes, start: int, end: int) -> TrackIndex | None:
     return TrackIndex(offsets, sizes, sync, cts, codec)
 
 
-def video_track(moov: bytes) -> TrackIndex:
-    """The index of the first video track in a ``moov`` box (the box itself, header included)."""
+def video_tracks(moov: bytes) -> list[TrackIndex]:
+    """The indexes of the video tracks in a ``moov`` box (the box itself, header included)."""
     box = box_at(moov, 0)
     if box is None or box.kind != b"moov":
         raise NotIndexed("no moov box")
-    for kind, body, stop in children(moov, box.header, len(moov)):
-        if kind == b"trak":
-            track = _track(moov, body, stop)
-            if track is not None:
-                return track
-    raise NotIndexed("the file has no video track")
+    tracks = [_track(moov, body, stop) for kind, body, stop in children(moov, box.header, len(moov)) if kind == b"trak"]
+    found = [t for t in tracks if t is not None]
+    if not found:
+        raise NotIndexed("the file has no video track")
+    return found

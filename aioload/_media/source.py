@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass
 
 from aioload._media import decoders as _decoders
-from aioload._media.probe import HEAD_BYTES, MAX_INDEX_BYTES, NotIndexed, TrackIndex, VideoInfo, box_at, video_track
+from aioload._media.probe import HEAD_BYTES, MAX_INDEX_BYTES, NotIndexed, TrackIndex, VideoInfo, box_at, video_tracks
 
 PROBES_KEPT_BYTES = 64 * 1024 * 1024
 """The ``moov`` bytes of remote files kept per process (each file's index is probed once)."""
@@ -190,12 +190,16 @@ async def probe_remote(storage, url: str, head: bytes | None = None) -> RemoteIn
     if moov is None or size is None:
         return None
     try:
-        track = video_track(moov)
+        tracks = video_tracks(moov)
     except NotIndexed:
         return None
-    header = Sparse(size, pieces)
-    info = info_of(_decoders.open_video(header, url))
-    return RemoteIndex(size, pieces, track, info)
+    info = info_of(_decoders.open_video(Sparse(size, pieces), url))
+    # the track the decoder plays (its "best" stream): the one with as many samples as it has
+    # frames; none such (an edit list that drops frames, say): no range reads for this file
+    same = [t for t in tracks if len(t) == info.num_frames]
+    if len(same) != 1:
+        return None
+    return RemoteIndex(size, pieces, same[0], info)
 
 
 class Probes:
