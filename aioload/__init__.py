@@ -6,6 +6,10 @@ from aioload._dataset import Dataset
 from aioload._storage.diskcache import DiskCache
 from aioload._errors import DataLoaderTimeoutError, LoaderClosedError, TooManyErrorsError, WorkerCrashedError
 from aioload._loader import DataLoader
+from aioload._media.audio import AudioFiles
+from aioload._media.frombytes import count_clips, decode_audio, decode_clip
+from aioload._media.synth import make_videos
+from aioload._media.video import VideoFiles, VideoFolder
 from aioload._mix.dataset import Mix
 from aioload._storage.retry import RemoteReadError, RetryPolicy
 from aioload._observe.stats import LoaderStats
@@ -33,6 +37,7 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_IMAGES])
 
 __all__ = [
+    "AudioFiles",
     "CacheStats",
     "DataLoader",
     "DataLoaderTimeoutError",
@@ -49,9 +54,15 @@ __all__ = [
     "Storage",
     "StringList",
     "TooManyErrorsError",
+    "VideoFiles",
+    "VideoFolder",
     "WorkerCrashedError",
+    "count_clips",
+    "decode_audio",
+    "decode_clip",
     "decode_image",
     "make_data",
+    "make_videos",
     "read_bytes",
     "read_range",
     "transforms",

@@ -36,6 +36,12 @@ def test_train_folder_trains_the_steps_asked_for_across_epochs(tmp_path):
     assert "done: 10 steps in 2 epochs" in out
 
 
+def test_train_video(tmp_path):
+    out = run_example([str(ROOT / "examples/train_video.py"), "--steps", "3", "--workers", "1", "--batch-size", "4"],
+                      tmp_path)
+    assert "done: 3 steps in 1 epoch\n" in out and "epoch 0: " in out
+
+
 def test_examples_use_only_the_public_api():
     for script in sorted((ROOT / "examples").glob("*.py")):
         text = script.read_text()
@@ -47,6 +53,7 @@ def test_examples_use_only_the_public_api():
     ("train_folder.py", "\n    python examples/train_folder.py --data DIR --steps 0 --epochs 10 --model resnet18\n"),
     ("ddp_train.py", "\n    torchrun --nproc-per-node 2 examples/ddp_train.py --steps 6 --resume ckpt.pt\n"),
     ("remote_images.py", "\n    python examples/remote_images.py --steps 40 --cache disk"),
+    ("train_video.py", "\n    python examples/train_video.py --data DIR --steps 0 --epochs 5 --clips-per-video 4\n"),
 ])
 def test_help_keeps_the_docstring_lines_and_shows_every_default(tmp_path, script, kept):
     out = run_example([str(ROOT / "examples" / script), "--help"], tmp_path, timeout=60)

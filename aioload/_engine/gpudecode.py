@@ -116,6 +116,11 @@ class DecodeFailure:
 
 
 def _decode_many(payloads: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    from aioload.images import torchcodec_images
+
+    codec = torchcodec_images()  # torchcodec's nvJPEG batch where installed; torchvision's op otherwise
+    if codec is not None:
+        return codec.decode_jpeg(payloads, mode="RGB", device=device)
     op = getattr(getattr(torch.ops, "image", None), "decode_jpegs_cuda", None)
     from torchvision.io import ImageReadMode
 
@@ -127,6 +132,12 @@ def _decode_many(payloads: list[torch.Tensor], device: torch.device) -> list[tor
 def _decode_one(payload: torch.Tensor, device: torch.device) -> torch.Tensor:
     import torchvision
     from torchvision.io import ImageReadMode
+
+    from aioload.images import torchcodec_images
+
+    codec = torchcodec_images()
+    if codec is not None:
+        return codec.decode_jpeg(payload, mode="RGB", device=device)
 
     if device.type == "cuda":
         op = getattr(getattr(torch.ops, "image", None), "decode_jpegs_cuda", None)
