@@ -8,6 +8,10 @@ from aioload._errors import DataLoaderTimeoutError, LoaderClosedError, TooManyEr
 from aioload._loader import DataLoader
 from aioload._storage.retry import RemoteReadError, RetryPolicy
 from aioload._observe.stats import LoaderStats
+from aioload._shards.dataset import WebDataset
+from aioload._shards.decoders import decode_sample
+from aioload._shards.index import ShardError
+from aioload._shards.writer import ShardWriter
 from aioload._storage.storage import Storage, read_bytes, read_range
 from aioload._strings import StringList
 from aioload._tools.synth import make_data
@@ -44,11 +48,15 @@ __all__ = [
     "MemoryCache",
     "RemoteReadError",
     "RetryPolicy",
+    "ShardError",
+    "ShardWriter",
     "Storage",
     "StringList",
     "TooManyErrorsError",
+    "WebDataset",
     "WorkerCrashedError",
     "decode_image",
+    "decode_sample",
     "make_data",
     "read_bytes",
     "read_range",

@@ -43,7 +43,7 @@ from aioload._resources import _LIVE, _Resources, _finalize_loader
 from aioload._sampling import EpochProgress, Planner, shard_sampler
 from aioload._seeding import derive_seed
 from aioload._engine.spec import Plan, Spec
-from aioload._observe.stats import LoaderStats, StatsRecorder
+from aioload._observe.stats import LoaderStats, StatsRecorder, dataset_figures
 from aioload._observe.tune import check_knob, is_auto, make_tuner
 from aioload._workers.worker import WorkerConfig, _batched_fetch
 
@@ -344,6 +344,7 @@ class DataLoader(Generic[_T_co]):
                       queue_depth=depth, num_workers=self.num_workers)
         if self._res.executor is not None:
             gauges.update(self._res.executor.figures(), num_workers=self._executor_spec().num_workers)
+        gauges.update(dataset_figures(self.dataset))
         return self._stats.snapshot(**gauges)
 
     def _limits(self) -> tuple[int, int]:
