@@ -102,6 +102,7 @@ class _Samples:
         self.index = ShardIndex(size)
         self.exts: set[str] = set()
         self.open = False  # the last entry is a sample that may take more members
+        self.broken_after: int | None = None  # the sample before a corrupt stretch, until the next member
 
     def add(self, member: tar.Member) -> None:
         if not member.regular:
@@ -111,6 +112,8 @@ class _Samples:
             return
         key, ext = parts
         index = self.index
+        if self.broken_after is not None:
+            self._split(key, member)
         if not self.open or key != index.keys[-1]:
             index.keys.append(key)
             index.starts.append(member.start)
@@ -127,8 +130,22 @@ class _Samples:
             index.faults.setdefault(pos, f"the shard is truncated: member {member.name!r} needs bytes up to "
                                          f"{member.end}, and the shard has {index.size}")
 
+    def _split(self, key: str, member: tar.Member) -> None:
+        """The first member after a corrupt stretch: when it has the key of the sample before
+        the stretch, that sample lost members to it; both of its parts are faults."""
+        before, self.broken_after = self.broken_after, None
+        index = self.index
+        if index.keys[before] != key:
+            return
+        why = (f"sample {key!r} is split by the corrupt stretch at byte {index.starts[before + 1]}: members of it "
+               "are missing")
+        index.faults.setdefault(before, why)
+        index.faults.setdefault(len(index.keys), why)
+
     def corrupt(self, at: int, until: int, reason: str) -> None:
         index = self.index
+        if self.open:
+            self.broken_after = len(index.keys) - 1
         index.faults[len(index.keys)] = (f"{reason}; whatever the shard holds from byte {at} to {until} cannot "
                                          f"be read" + (" (the shard's end)" if until >= index.size else
                                                        f" (the next good header is at byte {until})"))
