@@ -42,6 +42,15 @@ class Server:
             raise RuntimeError(f"the bench's HTTP server did not start: {line!r}")
         self.base = f"http://127.0.0.1:{int(line.split()[1])}/"
 
+    def requests(self) -> int:
+        """How many requests for files the server has answered so far (GET and HEAD)."""
+        import urllib.request
+
+        from aioload._tools.benchserver import COUNT_PATH
+
+        with urllib.request.urlopen(self.base + COUNT_PATH, timeout=30) as response:
+            return int(response.read())
+
     def close(self) -> None:
         proc = self.proc
         if proc.poll() is None:

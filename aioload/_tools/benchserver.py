@@ -9,7 +9,8 @@ on SIGTERM or Ctrl-C, when its parent dies (even by SIGKILL), and after ``--max-
 
 ``Range: bytes=a-b`` is answered ``206`` with that part (as object stores do), ``HEAD`` with
 the headers alone; ``--mb-per-s`` paces each response's body to that rate (a store's
-per-connection bandwidth; 0, the default: as fast as the socket takes it).
+per-connection bandwidth; 0, the default: as fast as the socket takes it). ``GET
+/__requests__`` answers how many requests for files it has had (for requests per sample).
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ def die_with_parent(parent: int) -> None:
 
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 _PACE_CHUNK = 1 << 16
+COUNT_PATH = "__requests__"
+
+
+class _Count:
+    def __init__(self):
+        self.value = 0
+        self.lock = threading.Lock()
+
+    def add(self) -> None:
+        with self.lock:
+            self.value += 1
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -57,14 +69,23 @@ class _Handler(BaseHTTPRequestHandler):
     files: dict[str, Path] = {}
     latency_s = 0.0
     bytes_per_s = 0.0  # 0: unpaced
+    count = _Count()
 
     def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+        if urlsplit(self.path).path == "/" + COUNT_PATH:
+            data = str(self.count.value).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         self._answer(body=True)
 
     def do_HEAD(self) -> None:  # noqa: N802
         self._answer(body=False)
 
     def _answer(self, body: bool) -> None:
+        self.count.add()
         path = self.files.get(unquote(urlsplit(self.path).path).lstrip("/"))
         time.sleep(self.latency_s)
         if path is None:
@@ -129,7 +150,7 @@ def serve(root: str, latency_ms: float, max_seconds: float, parent: int, mb_per_
     base = Path(root)
     files = {p.relative_to(base).as_posix(): p for p in sorted(base.rglob("*")) if p.is_file()}
     handler = type("Handler", (_Handler,), {"files": files, "latency_s": latency_ms / 1000.0,
-                                            "bytes_per_s": mb_per_s * 1e6})
+                                            "bytes_per_s": mb_per_s * 1e6, "count": _Count()})
     server = _Server(("127.0.0.1", 0), handler)
     print(f"port {server.server_address[1]}", flush=True)
     timer = threading.Timer(max_seconds, server.shutdown)
