@@ -6,6 +6,7 @@ from aioload._dataset import Dataset
 from aioload._storage.diskcache import DiskCache
 from aioload._errors import DataLoaderTimeoutError, LoaderClosedError, TooManyErrorsError, WorkerCrashedError
 from aioload._loader import DataLoader
+from aioload._mix.dataset import Mix
 from aioload._storage.retry import RemoteReadError, RetryPolicy
 from aioload._observe.stats import LoaderStats
 from aioload._shards.dataset import WebDataset
@@ -46,6 +47,7 @@ __all__ = [
     "LoaderClosedError",
     "LoaderStats",
     "MemoryCache",
+    "Mix",
     "RemoteReadError",
     "RetryPolicy",
     "ShardError",

@@ -333,6 +333,41 @@ class DataLoader(Generic[_T_co]):
         self._next_epoch = self._resume["epoch"]
         self._progress = None
 
+    def set_weights(self, weights) -> None:
+        """Change the weights of the :class:`aioload.Mix` this loader draws from, from the next
+        batch the training loop has not received on (or from the next epoch's start, between
+        epochs). The change is part of :meth:`state_dict`, so a resumed run draws exactly what
+        this one does; call it at the same batch on every rank. Batches already made with the
+        old weights are made again (a few batches' work)."""
+        mix = self._planner._mix()
+        if mix is None:
+            raise TypeError(
+                "set_weights changes the weights of an aioload.Mix drawn by the loader's own sampler; this "
+                f"loader's dataset is a {type(self.dataset).__name__}"
+                + (" with a sampler of its own" if callable(getattr(self.dataset, "mixed_order", None)) else "")
+            )
+        checked = mix.dataset.check_weights(weights)
+        running = self._running() if self._running is not None else None
+        if running is not None and (running.exhausted or running.engine is None or self._res.engine is not running.engine):
+            running = None
+        if self._planner.set_weights(checked, self._progress, self._resume) and running is not None:
+            self._remake(running)
+
+    def _remake(self, ctx: EpochContext) -> None:
+        """Make the rest of the running epoch again from where the consumer is, as a resumed
+        epoch (its plan changed: a mix's weights). The worker pool stays."""
+        if self._planner.tally is not None and self._progress is not None:
+            self._planner.tally.settle(self._progress.delivered)
+        state = self.state_dict()
+        self._res.stop_engine()
+        self._resume = self._planner.load(state)
+        self._next_epoch = self._resume["epoch"]
+        settings = self._settings()
+        plan = self._plan()
+        engine, ready, transfer = self._engine_for(plan, settings)
+        ctx.plan, ctx.progress, ctx.budget = plan, self._progress, engine.budget
+        ctx.engine, ctx.ready, ctx.transfer = engine, ready, transfer
+
     def stats(self) -> LoaderStats:
         """A snapshot of the pipeline's counters (see :class:`aioload.LoaderStats`)."""
         if self._res.shared.slots is not None:
@@ -344,6 +379,11 @@ class DataLoader(Generic[_T_co]):
                       queue_depth=depth, num_workers=self.num_workers)
         if self._res.executor is not None:
             gauges.update(self._res.executor.figures(), num_workers=self._executor_spec().num_workers)
+        tally = self._planner.tally
+        if tally is not None:
+            if self._progress is not None:
+                tally.settle(self._progress.delivered)
+            gauges["per_source"] = tally.figures()
         gauges.update(dataset_figures(self.dataset))
         return self._stats.snapshot(**gauges)
 
@@ -354,6 +394,11 @@ class DataLoader(Generic[_T_co]):
         return int(self.io_concurrency), int(self.queue_depth)  # not "auto": there would be a tuner
 
     def _epoch_begins(self, epoch: int) -> None:
+        tally = self._planner.tally
+        if tally is not None:
+            if self._progress is not None:
+                tally.settle(self._progress.delivered)
+            tally.new_epoch()
         self._stats.begin_epoch()
         if self._monitor is not None:
             try:
@@ -526,6 +571,14 @@ class DataLoader(Generic[_T_co]):
         batches = None if self._iterable else _len_or_none(self)
         settings = self._begin_epoch()
         plan = self._plan()
+        engine, ready, transfer = self._engine_for(plan, settings)
+        ctx = self._context(plan, engine.budget, called, batches, resources=self._res,
+                            engine=engine, ready=ready, transfer=transfer)
+        self._running = weakref.ref(ctx)
+        return ctx
+
+    def _engine_for(self, plan: Plan, settings: _PoolSettings):
+        """The engine of one epoch's plan, started: ``(engine, ready queue, transfer)``."""
         pool = self._pool(plan.base_seed, settings) if settings.num_workers > 0 and self.executor is None else None
         spec = self._spec(settings)
         ready = ReadyQueue(self.in_order, plan.delivered)
@@ -539,10 +592,7 @@ class DataLoader(Generic[_T_co]):
             transfer.budget = engine.budget
         engine.start()
         self._res.engine = engine
-        ctx = self._context(plan, engine.budget, called, batches, resources=self._res,
-                            engine=engine, ready=ready, transfer=transfer)
-        self._running = weakref.ref(ctx)
-        return ctx
+        return engine, ready, transfer
 
     def __aiter__(self) -> "_Iterator | _InProcessIterator":
         return self.__iter__()

@@ -13,14 +13,20 @@ A state is plain data (dicts, lists or tuples, strings, ints, bools, ``None``), 
          "delivered": {"below": 40, "also": [42]},   # batch sequence numbers received
          "batches": None | [[41, [7, 3]], [43, [9, 1]], ...],  # not replayable: what is left
          "rank": None | 0,                # with "batches": the rank whose indices they are
-         "inexact": None | "<why>"}}      # the position inside the epoch was not saved
+         "inexact": None | "<why>",       # the position inside the epoch was not saved
+         "order_seed": None | 7,          # the seed the epoch's order was computed from
+         "segments": [[4, 10, []]]}}      # earlier parts of the epoch on other world sizes
 
 ``rng`` holds generator states at the start of the epoch in progress (between epochs: as they
 are now, torch's global RNG excepted), so that replaying the sampler gives the same order.
 Nothing in a state names the rank that saved it unless it lists that rank's own indices
 (``batches``): under ``torch.distributed`` ranks move in lockstep through shards of equal
 length, so one rank's state resumes every rank. ``config["world_size"]`` is the number of
-ranks the order is split between, which must match.
+ranks the order is split between. It must match, except for a loader whose order aioload
+computes (its own sharding, with the epoch's ``order_seed`` known): there a state saved on
+``N`` ranks loads on ``M``, the delivered batches become a *segment* (``[world_size, below,
+also]``) and the rest of the epoch is dealt again over the ``M`` ranks
+(:mod:`aioload._plan.elastic`).
 
 A state with ``inexact`` stands for the start of its epoch: saving never fails, and loading it
 warns with :class:`ResumeWarning` (see docs/reproducibility.md).
@@ -109,9 +115,10 @@ _SAMPLER_FIELDS = ("num_replicas", "world_size", "shuffle", "seed", "drop_last",
 
 
 def _describe(sampler) -> str:
-    active = getattr(sampler, "active", None)
-    if callable(active):  # aioload's ShardByRank: the sampler it uses in the world as it is now
-        return _describe(active())
+    if callable(getattr(sampler, "order_seed", None)):
+        # aioload's ShardByRank: described apart from the world it runs in, since its states
+        # resume on another number of ranks (the world size is checked against the position)
+        return f"ShardByRank(shuffle={sampler.shuffle}, drop_last={sampler.drop_last}, planned={sampler.planned})"
     fields = []
     for name in _SAMPLER_FIELDS:
         value = getattr(sampler, name, None)
@@ -138,13 +145,28 @@ def config(torch_loader, seed: int | None, generators: dict, base_seeds: str, wo
         "base_seeds": base_seeds,
         "generators": {role: gen is None for role, gen in generators.items()},
         "world_size": world_size,
+        **_sources(dataset),
     }
 
 
-def check_world(saved: int | None, mine: int | None, action: str) -> None:
-    """Refuse to resume a position saved with another number of ranks."""
+def _sources(dataset) -> dict:
+    """An :class:`aioload.Mix`'s sources by name and length (a state must be loaded into a mix
+    of the same sources)."""
+    if not callable(getattr(dataset, "mixed_order", None)):
+        return {}
+    return {"sources": [[name, length] for name, length in zip(dataset.names, dataset.lengths)]}
+
+
+def check_world(saved: int | None, mine: int | None, action: str, why: str = "") -> None:
+    """Refuse to resume a position saved with another number of ranks (``why``: the reason a
+    loader that could resume on another number of ranks cannot resume this state)."""
     if saved is None or mine is None or saved == mine:
         return
+    if why:
+        raise ResumeError(
+            f"this state was saved with world_size={saved}, but this loader runs with world_size={mine}, "
+            f"and {why}"
+        )
     hint = ""
     if mine == 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         hint = (f"; torch.distributed is not initialised here: {action} after init_process_group() "
@@ -158,21 +180,35 @@ def check_world(saved: int | None, mine: int | None, action: str) -> None:
 
 # -- packing ------------------------------------------------------------------------------
 def progress(base_seed: int, delivered, batches: tuple | None, rank: int | None = None,
-             inexact: str | None = None) -> dict:
+             inexact: str | None = None, order_seed: int | None = None, segments=()) -> dict:
     """The ``progress`` entry. ``batches`` is already plain data (see :func:`plain`); it may
-    be shared by successive states of one epoch, so a state is to be treated as read-only."""
+    be shared by successive states of one epoch, so a state is to be treated as read-only.
+    ``segments``: :class:`aioload._plan.elastic.Segment` s of the epoch run on other world sizes."""
     return {
         "base_seed": base_seed,
         "delivered": {"below": delivered.low, "also": sorted(delivered.above)},
         "batches": batches,
         "rank": rank,
         "inexact": inexact,
+        "order_seed": order_seed,
+        "segments": [[s.world_size, s.low, list(s.above)] for s in segments],
     }
 
 
-def pack(epoch: int, cfg: dict, rng: dict, prog: dict | None, kept_base: tuple | None = None) -> dict:
-    return {"aioload_state": VERSION, "epoch": epoch, "config": cfg, "rng": rng, "progress": prog,
-            "kept_base": None if kept_base is None else list(kept_base)}
+def pack(epoch: int, cfg: dict, rng: dict, prog: dict | None, kept_base: tuple | None = None,
+         mix: dict | None = None) -> dict:
+    state = {"aioload_state": VERSION, "epoch": epoch, "config": cfg, "rng": rng, "progress": prog,
+             "kept_base": None if kept_base is None else list(kept_base)}
+    if mix is not None:
+        state["mix"] = mix
+    return state
+
+
+def mix_entry(names, weights, schedule) -> dict:
+    """An :class:`aioload.Mix`'s weights now and, mid-epoch, the epoch's schedule of them."""
+    named = lambda w: dict(zip(names, w))  # noqa: E731
+    return {"weights": named(weights),
+            "schedule": None if schedule is None else [[start, named(w)] for start, w in schedule]}
 
 
 def plain(indices):
@@ -212,6 +248,11 @@ class Expected:
     batched: bool  # each sampler item is a batch of indices (torch's auto-collation)
     batch_size: int | None  # the most indices in a batch; None: any number
     rank: int  # this process's rank (0 outside torch.distributed)
+    mix: tuple[str, ...] | None = None  # an aioload.Mix's source names: the state holds its weights
+    # A loader whose order aioload computes resumes on another world size; the position in
+    # each part of the epoch is then checked against that part's batches by the planner,
+    # which knows the epoch's order (aioload._sampling.Planner.load).
+    elastic: bool = False
 
 
 def _fail(path: str, problem: str) -> ResumeError:
@@ -232,9 +273,12 @@ def _check_plain(state) -> None:
                 stack.append((item, key if path == "the state" else f"{path}.{key}", depth + 1))
         elif isinstance(value, (list, tuple)):
             stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, float):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise _fail(path, f"is {value}: a state's numbers are finite")
         elif value is not None and not isinstance(value, (str, int)):
             raise _fail(path, f"is a {type(value).__name__}: a state holds only dicts, lists, strings, "
-                              "ints, bools and None")
+                              "numbers, bools and None")
 
 
 def _keys(value, path: str, required, optional=()) -> dict:
@@ -273,14 +317,57 @@ def unpack(state, exp: Expected) -> dict:
             f"not an aioload.DataLoader state of version {VERSION}: pass what loader.state_dict() returned"
         )
     _check_plain(state)
-    _keys(state, "the state", ("aioload_state", "epoch", "config", "rng", "progress"), ("kept_base",))
+    _keys(state, "the state", ("aioload_state", "epoch", "config", "rng", "progress"), ("kept_base", "mix"))
     cfg = _check_config(state["config"], exp)
     epoch = _int(state["epoch"], "epoch", 0, _EPOCH_MAX)
     prog = state["progress"]
     rng = _check_rng(state["rng"], exp.config["generators"], mid_epoch=prog is not None)
     kept = _check_kept(state.get("kept_base"), exp.config["base_seeds"])
-    return {"epoch": epoch, "rng": rng, "progress": None if prog is None else _check_progress(prog, exp),
-            "kept_base": kept, "world_size": cfg.get("world_size")}
+    world = cfg.get("world_size")
+    mix = _check_mix(state.get("mix"), exp.mix, mid_epoch=prog is not None)
+    return {"epoch": epoch, "rng": rng, "progress": None if prog is None else _check_progress(prog, exp, world),
+            "kept_base": kept, "world_size": world, "mix": mix}
+
+
+def _check_mix(mix, names: tuple[str, ...] | None, mid_epoch: bool) -> dict | None:
+    """A mix's weights (and, mid-epoch, the epoch's schedule), as tuples in source order."""
+    if names is None:
+        if mix is not None:
+            raise _fail("mix", "must be absent: this loader's dataset is not an aioload.Mix")
+        return None
+    if mix is None:
+        raise _fail("the state", "has no 'mix': this loader's dataset is an aioload.Mix, whose weights a state holds")
+    _keys(mix, "mix", ("weights", "schedule"))
+    weights = _weights(mix["weights"], "mix.weights", names)
+    if mix["schedule"] is None:
+        if mid_epoch:
+            raise _fail("mix.schedule", "must be the epoch's weight changes, saved mid-epoch, got None")
+        return {"weights": weights, "schedule": None}
+    if not mid_epoch:
+        raise _fail("mix.schedule", "must be None between epochs")
+    entries = _seq(mix["schedule"], "mix.schedule")
+    if not entries:
+        raise _fail("mix.schedule", "must hold the weights the epoch started with")
+    schedule, last = [], -1
+    for i, entry in enumerate(entries):
+        path = f"mix.schedule[{i}]"
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+            raise _fail(path, "must be a [position, weights] pair")
+        start = _int(entry[0], f"{path}[0]", 0, 0 if i == 0 else _EPOCH_MAX)
+        if start <= last:
+            raise _fail(f"{path}[0]", f"must be greater than the position before it ({last}), got {start}")
+        last = start
+        schedule.append((start, _weights(entry[1], f"{path}[1]", names)))
+    return {"weights": weights, "schedule": tuple(schedule)}
+
+
+def _weights(value, path: str, names: tuple[str, ...]) -> tuple[float, ...]:
+    from aioload._mix.weights import check_weights
+
+    try:
+        return check_weights(value, names)
+    except (TypeError, ValueError) as exc:
+        raise _fail(path, f"is not the mix's weights ({exc})") from None
 
 
 def _check_config(cfg, exp: Expected) -> dict:
@@ -291,8 +378,11 @@ def _check_config(cfg, exp: Expected) -> dict:
     if "world_size" in cfg:
         if cfg["world_size"] is not None:
             _int(cfg["world_size"], "config.world_size", 1, None)
-        check_world(cfg["world_size"], mine["world_size"], "load_state_dict()")
+        if not exp.elastic:
+            check_world(cfg["world_size"], mine["world_size"], "load_state_dict()")
     for key, value in mine.items():
+        if key == "world_size" and exp.elastic:
+            continue  # checked against the epoch's position (_check_progress)
         saved = cfg.get(key, value)
         if saved != value or type(saved) is not type(value):
             raise ResumeError(
@@ -343,11 +433,17 @@ def _check_kept(kept, base_seeds: str) -> tuple | None:
     return (_int(pair[0], "kept_base[0]", 0, _EPOCH_MAX), _int(pair[1], "kept_base[1]", 0, _SEED_MAX))
 
 
-def _check_progress(prog, exp: Expected) -> dict:
-    _keys(prog, "progress", ("base_seed", "delivered", "batches"), ("rank", "inexact"))
+def _check_progress(prog, exp: Expected, world: int | None) -> dict:
+    _keys(prog, "progress", ("base_seed", "delivered", "batches"), ("rank", "inexact", "order_seed", "segments"))
     base = _int(prog["base_seed"], "progress.base_seed", 0, _SEED_MAX)
+    order_seed = prog.get("order_seed")
+    if order_seed is not None:
+        _int(order_seed, "progress.order_seed", 0, _SEED_MAX)
+    segments = _check_segments(prog.get("segments", []), exp)
     n = exp.batches
     of_n = "" if n is None else f" (an epoch of this loader has {n} batches)"
+    if exp.elastic and world is not None and (segments or world != exp.config["world_size"]):
+        n, of_n = None, ""  # another world's position: the planner checks it against that world
     delivered = _keys(prog["delivered"], "progress.delivered", ("below", "also"))
     below = _int(delivered["below"], "progress.delivered.below", 0, n, of_n)
     also = _seq(delivered["also"], "progress.delivered.also")
@@ -364,17 +460,52 @@ def _check_progress(prog, exp: Expected) -> dict:
         raise _fail("progress", f"must stand for the epoch's start: {why} resumes from its start only "
                                 "(nothing delivered, no batches)")
     rank = prog.get("rank")
+    if segments and (batches is not None or inexact is not None):
+        raise _fail("progress.segments", "must be empty with progress.batches or progress.inexact")
+    out = dict(prog, inexact=inexact, order_seed=order_seed, segments=segments)
     if batches is None:
         if rank is not None:
             raise _fail("progress.rank", "must be None without progress.batches")
-        return dict(prog, batches=None, inexact=inexact)
+        return dict(out, batches=None)
     decoded = _check_batches(batches, set(range(below)) | set(also), exp)
     if "rank" in prog and _int(rank, "progress.rank", 0, None) != exp.rank:
         raise ResumeError(
             f"this state lists the remaining indices of rank {rank} (its sampler cannot be replayed, so "
             f"they were written out), but this is rank {exp.rank}: load into each rank the state it saved"
         )
-    return dict(prog, batches=decoded, inexact=inexact)
+    return dict(out, batches=decoded)
+
+
+def _check_segments(segments, exp: Expected) -> list:
+    """``[[world_size, below, also], ...]``, each within the batches of its part of the epoch."""
+    seq = _seq(segments, "progress.segments")
+    if seq and not exp.elastic:
+        raise _fail("progress.segments", "must be empty: this loader's order is not computed by aioload "
+                                         "(its own sharding), so it cannot resume on another world size")
+    out: list = []
+    for i, entry in enumerate(seq):
+        path = f"progress.segments[{i}]"
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+            raise _fail(path, "must be a [world_size, below, also] triple")
+        world = _int(entry[0], f"{path}[0]", 1, None)
+        below = _int(entry[1], f"{path}[1]", 0, _EPOCH_MAX)
+        also = _seq(entry[2], f"{path}[2]")
+        for j, number in enumerate(also):
+            _int(number, f"{path}[2][{j}]", below + 1, _EPOCH_MAX)
+        if len(set(also)) != len(also):
+            raise _fail(f"{path}[2]", "lists a batch twice")
+        out.append((world, below, tuple(sorted(also))))
+    return out
+
+
+def check_position(path: str, below: int, also, batches: int, world: int) -> None:
+    """A position saved on ``world`` ranks, within the ``batches`` that part of the epoch has
+    (called by the planner, which knows them)."""
+    of_n = f" (that part of the epoch has {batches} batches on {world} rank{'s' if world > 1 else ''})"
+    _int(below, f"{path}.below" if path.endswith("delivered") else f"{path}[1]", 0, batches, of_n)
+    for j, number in enumerate(also):
+        where = f"{path}.also[{j}]" if path.endswith("delivered") else f"{path}[2][{j}]"
+        _int(number, where, below + 1, batches - 1, of_n)
 
 
 def _check_batches(batches, delivered: set, exp: Expected) -> list:

@@ -26,8 +26,13 @@ from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSam
 
 from aioload import _resume
 from aioload._engine.ready import Delivered
-from aioload._seeding import derive_seed, draw_base_seed
 from aioload._engine.spec import Plan
+from aioload._plan.deal import Deal
+from aioload._plan.elastic import Segment, rest_of_epoch
+from aioload._mix.tally import SourceTally
+from aioload._mix.weights import with_change
+from aioload._plan.order import STRIDE, deal_of, epoch_order, has_own_order
+from aioload._seeding import derive_seed, draw_base_seed
 
 
 def distributed_rank() -> tuple[int, int] | None:
@@ -39,15 +44,19 @@ def distributed_rank() -> tuple[int, int] | None:
 
 
 class ShardSampler(Sampler[int]):
-    """This rank's share of ``range(length)``: ``DistributedSampler``'s split, seeded like aioload.
+    """This rank's share of an epoch's computed order: ``DistributedSampler``'s split, seeded like aioload.
 
-    The epoch's order (``randperm`` from a generator seeded with ``derive_seed(seed, epoch)``,
-    or ``range`` without shuffling) is padded by repeating its head (or cut, with
-    ``drop_last``) to a multiple of ``world_size``; rank ``r`` takes every ``world_size``-th
-    index from ``r``. With one rank the order is that of an unsharded loader with ``seed=``.
+    The epoch's order is ``order(seed, epoch)`` where given (a dataset that computes its own,
+    see :class:`ShardByRank`), else a ``randperm`` from a generator seeded with
+    ``derive_seed(seed, epoch)``, or ``range`` without shuffling. It is padded by repeating its
+    head (or cut, with ``drop_last``) to a multiple of ``world_size``, and dealt as
+    :class:`aioload._plan.deal.Deal` says: with ``deal="stride"`` rank ``r`` takes every
+    ``world_size``-th index from ``r``; with ``"blocks"`` the ``r``-th contiguous run. With one
+    rank the order is that of an unsharded loader with ``seed=``.
     """
 
-    def __init__(self, length: int, rank: int, world_size: int, *, shuffle: bool, drop_last: bool, seed: int):
+    def __init__(self, length: int, rank: int, world_size: int, *, shuffle: bool, drop_last: bool, seed: int,
+                 order=None, deal: str = STRIDE):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
         self.length = length
@@ -57,28 +66,36 @@ class ShardSampler(Sampler[int]):
         self.drop_last = drop_last
         self.seed = seed
         self.epoch = 0
-        if drop_last:
-            self.num_samples = length // world_size
-        else:
-            self.num_samples = math.ceil(length / world_size)
-        self.total_size = self.num_samples * world_size
+        self._order = order
+        self.deal = Deal(world_size, 1, drop_last, deal)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+    def order(self, seed: int, epoch: int) -> torch.Tensor:
+        """Epoch ``epoch``'s order over every rank, from the order seed ``seed``."""
+        if self._order is not None:
+            return self._order(seed, epoch)
+        return epoch_order(None, self.length, seed, epoch, self.shuffle)
+
+    def epoch_length(self) -> int:
+        """Samples in this epoch's order over every rank."""
+        return self.length if self._order is None else self.order(self.seed, self.epoch).numel()
+
+    @property
+    def num_samples(self) -> int:
+        return self.deal.per_rank(self.epoch_length())
+
+    @property
+    def total_size(self) -> int:
+        return self.num_samples * self.world_size
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(derive_seed(self.seed, self.epoch))
-            order = torch.randperm(self.length, generator=generator).tolist()
-        else:
-            order = list(range(self.length))
-        if len(order) < self.total_size:
-            order += (order * math.ceil(self.total_size / max(1, len(order))))[: self.total_size - len(order)]
-        return iter(order[self.rank : self.total_size : self.world_size])
+        order = self.order(self.seed, self.epoch)
+        return iter(order[self.deal.positions(order.numel(), self.rank)].tolist())
 
     def __repr__(self) -> str:
         return (f"ShardSampler(rank={self.rank}, world_size={self.world_size}, shuffle={self.shuffle}, "
@@ -95,35 +112,82 @@ class ShardByRank(Sampler[int]):
     loader built before ``init_process_group`` (before ``Accelerator()``, or in a Lightning
     data module's ``__init__``) therefore shards as soon as the group exists. ``len()``
     follows the current world the same way, so it may change once the group is initialised.
+
+    A dataset that computes its own order (``epoch_order``: WebDataset shards, an
+    :class:`aioload.Mix`) is always visited through a :class:`ShardSampler`, with one rank in
+    one process (or with ``shard=False``), its order seeded with ``seed=`` (0 without it, as
+    ``DistributedSampler``). A mix's order also follows its weight :attr:`schedule`, which the
+    loader keeps (``set_weights``, resume).
     """
 
-    def __init__(self, dataset, *, shuffle: bool, drop_last: bool, seed: int | None, generator):
+    def __init__(self, dataset, *, shuffle: bool, drop_last: bool, seed: int | None, generator,
+                 distributed: bool = True):
         self.dataset = dataset
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.user_seed = seed
         self.seed = 0 if seed is None else seed  # DistributedSampler's default seed
         self.epoch = 0
+        self.distributed = distributed  # False: one rank whatever the world (shard=False)
+        self.planned = has_own_order(dataset)
+        self.mix = callable(getattr(dataset, "mixed_order", None))
+        self.weights = dataset.weights if self.mix else None  # in force now (between epochs: from the next on)
+        self.schedule = ((0, self.weights),) if self.mix else None  # the epoch in progress
         self.local: Sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
         self._shards: ShardSampler | None = None
+        self._orders: dict = {}  # (seed, epoch, schedule) -> order, the last few
+
+    def ranks(self) -> tuple[int, int] | None:
+        """``(rank, world_size)`` this sampler deals for; ``None``: torch's own sampler."""
+        ranks = distributed_rank() if self.distributed else None
+        if ranks is None:
+            return (0, 1) if self.planned else None
+        return ranks
 
     def active(self) -> Sampler:
         """The sampler for the world as it is now."""
-        ranks = distributed_rank()
+        ranks = self.ranks()
         if ranks is None:
             return self.local
         rank, world_size = ranks
         length = len(self.dataset)
         shards = self._shards
         if shards is None or (shards.rank, shards.world_size, shards.length) != (rank, world_size, length):
-            shards = self._shards = ShardSampler(length, rank, world_size, shuffle=self.shuffle,
-                                                 drop_last=self.drop_last, seed=self.seed)
+            shards = self._shards = ShardSampler(
+                length, rank, world_size, shuffle=self.shuffle, drop_last=self.drop_last, seed=self.seed,
+                order=self.order if self.planned else None, deal=deal_of(self.dataset) if self.planned else STRIDE)
         shards.set_epoch(self.epoch)
         return shards
 
     @property
     def world_size(self) -> int:
-        ranks = distributed_rank()
+        ranks = self.ranks()
         return 1 if ranks is None else ranks[1]
+
+    def order_seed(self) -> int | None:
+        """The seed the epoch's order is computed from; ``None`` where torch's ``RandomSampler``
+        draws it from the loader's generator (one process, shuffled, no ``seed=``)."""
+        if self.ranks() is not None or not self.shuffle:
+            return self.seed
+        return self.user_seed  # RandomSampler over the generator seeded from (seed, epoch)
+
+    def order(self, seed: int, epoch: int) -> torch.Tensor:
+        """Epoch ``epoch``'s order over every rank, from the order seed ``seed``."""
+        key = (seed, epoch, self.schedule)
+        found = self._orders.get(key)
+        if found is None:
+            if self.mix:
+                found = self.dataset.mixed_order(seed, epoch, self.shuffle, self.schedule)
+            else:
+                found = epoch_order(self.dataset if self.planned else None, len(self.dataset), seed, epoch,
+                                    self.shuffle)
+            if len(self._orders) >= 4:
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[key] = found
+        return found
+
+    def deal(self, world_size: int, batch_size: int, drop_last: bool) -> Deal:
+        return Deal(world_size, batch_size, drop_last, deal_of(self.dataset) if self.planned else STRIDE)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -145,11 +209,14 @@ def shard_sampler(shard: bool, dataset, sampler, batch_sampler, shuffle, drop_la
     sampler of the user's, or an ``IterableDataset`` (which shards itself)."""
     if not isinstance(shard, bool):
         raise TypeError(f"shard must be True or False, got {shard!r}")
-    if not shard or sampler is not None or batch_sampler is not None:
+    if sampler is not None or batch_sampler is not None:
         return None
     if isinstance(dataset, torch.utils.data.IterableDataset):
         return None
-    return ShardByRank(dataset, shuffle=bool(shuffle), drop_last=drop_last, seed=seed, generator=generator)
+    if not shard and not has_own_order(dataset):
+        return None
+    return ShardByRank(dataset, shuffle=bool(shuffle), drop_last=drop_last, seed=seed, generator=generator,
+                       distributed=shard)
 
 
 class _Numbered:
@@ -160,7 +227,9 @@ class _Numbered:
     delivered. The engine pulls from its own thread, hence the lock.
     """
 
-    def __init__(self, pairs: Iterator, skip: Delivered, delivered: Delivered, record: bool, limit: int | None):
+    def __init__(self, pairs: Iterator, skip: Delivered, delivered: Delivered, record: bool, limit: int | None,
+                 tally=None):
+        self._tally = tally  # called with each (seq, indices) pulled: a mix counts its sources
         self._pairs = pairs
         self._skip = skip
         self._delivered = delivered
@@ -181,6 +250,8 @@ class _Numbered:
                 seq, indices = self._buffer.popleft() if self._buffer else next(self._pairs)
                 if seq not in self._skip:
                     break
+            if self._tally is not None:
+                self._tally(seq, indices)
             if self._record and self._written is None:
                 for old in [s for s in self._pulled if s in self._delivered]:
                     del self._pulled[old]
@@ -228,8 +299,13 @@ class EpochProgress:
     """What ``state_dict()`` needs about the epoch in progress."""
 
     def __init__(self, epoch: int, base_seed: int, rng: dict, delivered: Delivered,
-                 batches: _Numbered | None, replayable: bool, iterable: bool):
+                 batches: _Numbered | None, replayable: bool, iterable: bool,
+                 segments: tuple[Segment, ...] = (), order_seed=None):
         self.epoch = epoch
+        self.segments = segments  # the parts of this epoch run on other world sizes (elastic resume)
+        # The seed the epoch's order was computed from: an int, None, or a callable that asks
+        # the sampler (which draws it when the first batch is pulled).
+        self._order_seed = order_seed
         self.base_seed = base_seed
         self.rng = rng
         self.delivered = delivered
@@ -237,6 +313,11 @@ class EpochProgress:
         self.replayable = replayable
         self.iterable = iterable
         self.taken = 0  # batches the consumer received (an IterableDataset's are not numbered)
+
+    @property
+    def order_seed(self) -> int | None:
+        seed = self._order_seed
+        return seed() if callable(seed) else seed
 
 
 class Planner:
@@ -248,6 +329,8 @@ class Planner:
         self.seed_generator = seed_generator
         self.iterable = iterable
         self._kept_base: tuple[int, int] | None = None  # (epoch, base seed) drawn for persistent workers
+        mix = self._mix()
+        self.tally = SourceTally(mix.dataset.names, mix.dataset.offsets) if mix is not None else None
 
     # -- the plan -------------------------------------------------------------------------
     def plan(self, epoch: int, resume: dict | None, per_sample_seeds: bool,
@@ -257,11 +340,11 @@ class Planner:
         ``lazy``: the caller's thread pulls every batch itself (torch's single-process loading,
         whose sampler first draws at the first ``next()``), so none is pulled here."""
         t = self.torch
-        if resume is not None:
-            # The world may have changed since the state was loaded (init_process_group ran in
-            # between): each rank's shard, and so the saved position, depends on its size.
-            _resume.check_world(resume["world_size"], self.world_size(), "iterate")
+        # The world may have changed since the state was loaded (init_process_group ran in
+        # between): each rank's shard, and so the saved position, depends on its size.
+        elastic = self._elastic(resume) if resume is not None else None
         self._forward_epoch(epoch)
+        self._schedule_epoch(epoch, resume, elastic)
         if self.seed is not None:
             self.seed_generator.manual_seed(derive_seed(self.seed, epoch))
         generators = self.generators()
@@ -275,6 +358,11 @@ class Planner:
             elif progress is not None and progress["batches"] is not None:
                 base = self._base_seed(epoch, progress)
                 pairs = iter(progress["batches"])
+            elif elastic is not None:
+                # The rest of an epoch begun on another world size: computed, not sampled (the
+                # base seed is drawn as the saved run drew it; the sampler draws nothing).
+                base = self._base_seed(epoch, progress)
+                pairs = enumerate(self._rest_of_epoch(epoch, progress["order_seed"], elastic[0]))
             else:
                 sampler_iter = iter(t._index_sampler)
                 base = self._base_seed(epoch, progress)
@@ -290,15 +378,111 @@ class Planner:
                     "generator; load it into a loader built with the same generator seed, sampler and dataset"
                 )
             base = progress["base_seed"]
-            skip = Delivered(progress["delivered"]["below"], progress["delivered"]["also"])
+            skip = elastic[1] if elastic is not None else Delivered(progress["delivered"]["below"],
+                                                                    progress["delivered"]["also"])
         else:
             skip = Delivered()
         delivered = skip.copy()
+        pairs = self._announce(pairs, skip)
         replayable = _replayable(t._index_sampler) and not (progress is not None and progress["batches"] is not None)
         numbered = _Numbered(pairs, skip, delivered, record=not replayable and not self.iterable,
-                             limit=_len_or_none(t._index_sampler))
+                             limit=_len_or_none(t._index_sampler), tally=self.tally.pulled if self.tally else None)
         plan = Plan(batches=numbered, base_seed=base, per_sample_seeds=per_sample_seeds, delivered=delivered)
-        return plan, EpochProgress(epoch, base, start, delivered, numbered, replayable, self.iterable)
+        if elastic is not None:
+            segments, order_seed = elastic[0], progress["order_seed"]
+        else:
+            segments, order_seed = (), self._order_seed_now
+        return plan, EpochProgress(epoch, base, start, delivered, numbered, replayable, self.iterable,
+                                   segments=segments, order_seed=order_seed)
+
+    def _announce(self, pairs, skip: Delivered):
+        """Tell a dataset that computes its order which indices this rank will read in the
+        epoch, in order (``will_read``: shards fetched ahead of need); returns the pairs."""
+        shards = self._shards()
+        will_read = getattr(self.torch.dataset, "will_read", None)
+        if shards is None or not shards.planned or not callable(will_read):
+            return pairs
+        pairs = list(pairs)
+        batched = self.torch._auto_collation
+        will_read([i for seq, b in pairs if seq not in skip for i in (b if batched else [b])])
+        return iter(pairs)
+
+    # -- elastic resume -----------------------------------------------------------------------
+    def _shards(self) -> "ShardByRank | None":
+        """aioload's own sharding, whose order is computed: the sampler whose states resume on
+        another world size."""
+        outer = self.torch._index_sampler
+        sampler = outer.sampler if type(outer) is BatchSampler else outer
+        return sampler if isinstance(sampler, ShardByRank) else None
+
+    def _deal(self, world_size: int) -> Deal:
+        t = self.torch
+        batch = t.batch_size if t._auto_collation else 1
+        return self._shards().deal(world_size, batch, t.drop_last if t._auto_collation else False)
+
+    def _elastic(self, resume: dict) -> tuple[tuple[Segment, ...], Delivered] | None:
+        """Where ``resume``'s epoch was run on other world sizes: its segments and the batches
+        already delivered on this one; ``None`` where the saved position holds as it is.
+        Refuses a state saved on another world size that this loader cannot split again."""
+        saved, mine = resume["world_size"], self.world_size()
+        progress = resume["progress"]
+        shards = self._shards()
+        if shards is None:
+            _resume.check_world(saved, mine, "iterate")
+            return None
+        if progress is None or progress["batches"] is not None or progress["inexact"] is not None:
+            return None  # between epochs (or the epoch's start): the next one is dealt on this world
+        segments = tuple(Segment(*entry) for entry in progress["segments"])
+        delivered = Delivered(progress["delivered"]["below"], progress["delivered"]["also"])
+        if saved == mine or saved is None:
+            return (segments, delivered) if segments else None
+        if progress["order_seed"] is None:
+            _resume.check_world(saved, mine, "iterate", why=(
+                "its epoch was shuffled by torch's RandomSampler from the loader's generator in one "
+                "process, an order the ranks cannot compute; pass seed= to resume on another number of "
+                "ranks, or resume on 1 process"))
+        if len(delivered):
+            segments += (Segment(saved, delivered.low, tuple(sorted(delivered.above))),)
+        return segments, Delivered()
+
+    def _rest_of_epoch(self, epoch: int, order_seed: int, segments) -> list:
+        """This rank's batches of what ``segments`` left of epoch ``epoch``."""
+        t = self.torch
+        shards = self._shards()
+        order = shards.order(order_seed, epoch)
+        rest = rest_of_epoch(order.numel(), segments, self._deal)
+        rank, world = shards.ranks() or (0, 1)
+        deal = self._deal(world)
+        mine = rest[deal.positions(rest.numel(), rank)[: deal.kept(rest.numel())]]
+        indices = order[mine].tolist()
+        if not t._auto_collation:
+            return indices
+        size = t.batch_size
+        return [indices[i : i + size] for i in range(0, len(indices), size)]
+
+    def _check_elastic(self, resume: dict) -> None:
+        """A position saved on other world sizes, checked against the batches each part of its
+        epoch had there (the part's length follows from the epoch's order and the parts before)."""
+        progress = resume["progress"]
+        saved = resume["world_size"]
+        if progress is None or saved is None or (saved == self.world_size() and not progress["segments"]):
+            return
+        if progress["order_seed"] is None:
+            return  # refused by _elastic() with the reason
+        length = self._shards().order(progress["order_seed"], resume["epoch"]).numel()
+        done: list[Segment] = []
+        for i, (world, below, also) in enumerate(progress["segments"]):
+            rest = rest_of_epoch(length, done, self._deal).numel()
+            _resume.check_position(f"progress.segments[{i}]", below, also, self._deal(world).batches(rest), world)
+            done.append(Segment(world, below, also))
+        rest = rest_of_epoch(length, done, self._deal).numel()
+        delivered = progress["delivered"]
+        _resume.check_position("progress.delivered", delivered["below"], delivered["also"],
+                               self._deal(saved).batches(rest), saved)
+
+    def _order_seed_now(self) -> int | None:
+        shards = self._shards()
+        return shards.order_seed() if shards is not None else None
 
     def _forward_epoch(self, epoch: int) -> None:
         t = self.torch
@@ -360,6 +544,69 @@ class Planner:
             return sampler.num_replicas
         return None
 
+    # -- mixtures -----------------------------------------------------------------------------
+    def _mix(self) -> "ShardByRank | None":
+        """The sampler of an :class:`aioload.Mix` drawn by the loader's own plan (it keeps the
+        weights in force and the epoch's schedule of them)."""
+        shards = self._shards()
+        return shards if shards is not None and shards.mix else None
+
+    def _schedule_epoch(self, epoch: int, resume: dict | None, elastic) -> None:
+        """The weight schedule the epoch being planned draws with: a resumed epoch's own, else
+        the weights in force now from its start; a change asked for before a loaded state was
+        iterated takes effect at the first batch the resumed epoch delivers."""
+        shards = self._mix()
+        if shards is None:
+            return
+        progress = resume["progress"] if resume is not None else None
+        if progress is None:
+            shards.schedule = ((0, shards.weights),)
+            return
+        shards.schedule = resume["mix"]["schedule"]
+        pending = resume.get("pending_weights")
+        if pending is not None:
+            if elastic is not None:
+                segments, delivered = elastic
+            else:
+                segments = tuple(Segment(*e) for e in progress["segments"])
+                delivered = Delivered(progress["delivered"]["below"], progress["delivered"]["also"])
+            at = self._next_position(epoch, progress["order_seed"], segments, delivered)
+            shards.schedule = with_change(shards.schedule, at, pending)
+
+    def _next_position(self, epoch: int, order_seed: int, segments, delivered: Delivered) -> int:
+        """Where in the epoch's order the next batch this rank has not delivered begins (for a
+        mix, dealt by stride: every rank's batches from there on lie at or after it)."""
+        shards = self._shards()
+        length = shards.order(order_seed, epoch).numel()
+        rest = rest_of_epoch(length, segments, self._deal)
+        k = max(delivered.above) + 1 if delivered.above else delivered.low
+        _, world = shards.ranks() or (0, 1)
+        deal = self._deal(world)
+        start = k * deal.batch_size * world
+        return int(rest[start]) if start < rest.numel() else length
+
+    def set_weights(self, weights, progress: EpochProgress | None, resume: dict | None) -> bool:
+        """A mix's weights from the next batch the consumer has not received; returns whether
+        the epoch in progress must be made again from there (its batches in flight were drawn
+        with the old weights)."""
+        shards = self._mix()
+        shards.weights = weights
+        if resume is not None:
+            if resume["progress"] is not None:
+                resume["pending_weights"] = weights
+            return False
+        if progress is None or progress.delivered.complete:
+            return False  # between epochs: the next one starts with them
+        at = self._next_position(progress.epoch, progress.order_seed, progress.segments, progress.delivered)
+        shards.schedule = with_change(shards.schedule, at, weights)
+        return True
+
+    def _mix_state(self, mid_epoch: bool) -> dict | None:
+        shards = self._mix()
+        if shards is None:
+            return None
+        return _resume.mix_entry(shards.dataset.names, shards.weights, shards.schedule if mid_epoch else None)
+
     def config(self) -> dict:
         t = self.torch
         if self.seed is not None:
@@ -375,8 +622,10 @@ class Planner:
             # Between epochs: the next one starts from the generators as they are now
             # (torch's global RNG excepted: that one is the training script's to save).
             gens = {role: g for role, g in self.generators().items() if g is not None}
-            return _resume.pack(next_epoch, self.config(), _resume.snapshot(gens), None, self._kept_base)
-        return _resume.pack(progress.epoch, self.config(), progress.rng, self._position(progress), self._kept_base)
+            return _resume.pack(next_epoch, self.config(), _resume.snapshot(gens), None, self._kept_base,
+                                mix=self._mix_state(False))
+        return _resume.pack(progress.epoch, self.config(), progress.rng, self._position(progress), self._kept_base,
+                            mix=self._mix_state(True))
 
     def _position(self, progress: EpochProgress) -> dict:
         """Where the epoch in progress is. Where that cannot be saved exactly, the state
@@ -387,7 +636,8 @@ class Planner:
                 return _resume.progress(progress.base_seed, Delivered(), None)
             return _resume.progress(progress.base_seed, Delivered(), None, inexact=_resume.ITERABLE_MIDDLE)
         if progress.replayable:
-            return _resume.progress(progress.base_seed, progress.delivered, None)
+            return _resume.progress(progress.base_seed, progress.delivered, None, order_seed=progress.order_seed,
+                                    segments=progress.segments)
         try:
             batches = progress.batches.written()
         except _resume.Unsaveable as exc:
@@ -400,7 +650,8 @@ class Planner:
         return _resume.Expected(
             config=self.config(), batches=_len_or_none(t._index_sampler), iterable=self.iterable,
             batched=t._auto_collation, batch_size=t.batch_size if t._auto_collation else None,
-            rank=_rank(),
+            rank=_rank(), elastic=self._shards() is not None,
+            mix=self._mix().dataset.names if self._mix() is not None else None,
         )
 
     def load(self, state) -> dict:
@@ -415,6 +666,11 @@ class Planner:
                     f"epoch from the saved seed and generator states gives {replayed}; pass what "
                     "loader.state_dict() returned"
                 )
+        if resume["world_size"] != self.world_size():
+            self._elastic(resume)  # refuses here a position no other world size can resume
+        self._check_elastic(resume)
+        if self._mix() is not None:
+            self._mix().weights = resume["mix"]["weights"]
         resume["saved"] = copy.deepcopy(state)
         if prog is not None and prog["inexact"] is not None:
             warnings.warn(

@@ -2,7 +2,8 @@
 ``strategy="ddp"`` with two ranks (gloo on 127.0.0.1) that Lightning launches itself.
 
 The runs are tests/frameworks/lightning_run.py; each rank writes the sample indices of every
-training step to a file, and these tests compare them.
+training step to a file, and these tests compare them. A checkpoint of the two-rank run also
+resumes in one process (elastic resume: the rest of its epoch, dealt over one rank).
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ SAMPLES, BATCH = 40, 4
 CASES = [f"sharding/{built}/{uds}" for built in ("init", "hook") for uds in (True, False)]
 
 
-def fit_runs(out, devices: int, workers: int) -> Ranks:
-    job = start([str(SCRIPTS / "lightning_run.py"), str(out), "--devices", str(devices), "--workers", str(workers)])
-    return Ranks(job, out, devices)
+def fit_runs(out, devices: int, workers: int, *extra: str) -> Ranks:
+    job = start([str(SCRIPTS / "lightning_run.py"), str(out), "--devices", str(devices), "--workers", str(workers),
+                 *extra])
+    ranks = Ranks(job, out, devices)
+    ranks.out = out  # type: ignore[attr-defined]
+    return ranks
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +54,20 @@ def test_ddp_resume_from_a_checkpoint_gives_the_uninterrupted_batches_on_every_r
         assert len(full) == 12 and len(first) == 7
         assert first + rest == full  # 5 steps an epoch: the checkpoint was 2 steps into the second
     assert ddp.case("resume/full")[0] != ddp.case("resume/full")[1]
+
+
+def test_a_ddp_checkpoint_resumes_on_one_process_with_the_rest_of_its_epoch(ddp, tmp_path):
+    ckpt = ddp.out / "checkpoints" / "step7.ckpt"
+    one = fit_runs(tmp_path, 1, 1, "--elastic-from", str(ckpt))
+    one.check_exit()
+    (rest,) = one.case("elastic/rest")
+    # The checkpoint is 2 steps into epoch 1 on each of 2 ranks: 8 samples each delivered. The
+    # epoch's order over both ranks interleaves their shards (rank r holds positions r, r + 2,
+    # ...), so what is left is that order from position 16 on, which one process takes in turn.
+    epoch1 = [flat(steps[5:10]) for steps in ddp.case("resume/full")]
+    left = [i for j in range(8, 20) for i in (epoch1[0][j], epoch1[1][j])]
+    assert len(rest) == 5  # steps 8-12
+    assert flat(rest) == left[:20]
 
 
 def test_single_process_epochs_and_resume(single):

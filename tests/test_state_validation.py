@@ -200,8 +200,10 @@ def test_a_missing_or_mistyped_field_is_named():
     refused(replaced(state, ("progress", "delivered"), drop=True), "progress has no 'delivered'")
     refused(replaced(state, ("progress", "delivered", "below"), "2"),
             "progress.delivered.below must be an int, got str")
-    refused(replaced(state, ("epoch",), 1.0), r"epoch is a float: a state holds only dicts, lists, strings, ints, "
-                                             r"bools and None")
+    refused(replaced(state, ("epoch",), 1.0), "epoch must be an int, got float")
+    refused(replaced(state, ("epoch",), float("nan")), "epoch is nan: a state's numbers are finite")
+    refused(replaced(state, ("epoch",), b"1"), r"epoch is a bytes: a state holds only dicts, lists, strings, "
+                                              r"numbers, bools and None")
     refused(replaced(state, ("progress", "surprise"), 1), r"progress has unexpected keys \['surprise'\]")
 
 

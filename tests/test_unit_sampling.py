@@ -287,13 +287,22 @@ def test_shard_by_rank_decides_the_world_each_time_it_is_iterated(ranks):
     assert len(sampler) == 5 and sampler.active().rank == 0 and sampler.active().world_size == 2
 
 
-def test_a_state_saved_under_one_world_size_does_not_resume_another(ranks):
+def test_a_state_whose_order_the_ranks_cannot_compute_does_not_resume_another_world_size(ranks):
+    planner = make_planner(10, 2, shuffle=True, generator=torch.Generator().manual_seed(3))
+    _, state = _save_after(planner, 0, [0])  # one process, shuffled by RandomSampler's own draws
+    assert state["progress"]["order_seed"] is None
     ranks(0, 2)
-    planner = make_planner(10, 2, shuffle=True, seed=1)
-    _, state = _save_after(planner, 0, [0])
-    ranks(0, 4)
-    fresh = make_planner(10, 2, shuffle=True, seed=1)
-    with pytest.raises(ValueError, match="world_size"):
+    fresh = make_planner(10, 2, shuffle=True, generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match=r"world_size=1, but this loader runs with world_size=2, and its "
+                                         r"epoch was shuffled by torch's RandomSampler .* pass seed="):
+        fresh.load(state)
+
+
+def test_a_users_distributed_sampler_does_not_resume_another_world_size():
+    saved = make_planner(12, 2, sampler=DistributedSampler(range(12), num_replicas=2, rank=0, seed=1))
+    _, state = _save_after(saved, 0, [0])
+    fresh = make_planner(12, 2, sampler=DistributedSampler(range(12), num_replicas=3, rank=0, seed=1))
+    with pytest.raises(ValueError, match="world_size=2, but this loader runs with world_size=3"):
         fresh.load(state)
 
 

@@ -154,6 +154,8 @@ class LoaderStats:
         COUNTER, "how many samples were left out with `on_error=\"skip\"`", "samples", "recorder"))
     worker_restarts: int = field(default=0, metadata=_stat(
         COUNTER, "worker pools replaced after a crash", "pools", "recorder"))
+    per_source: dict = field(default_factory=dict, metadata=_stat(
+        COUNTER, "with an `aioload.Mix`: samples delivered from each source, by name", "samples", "loader"))
     shm_bytes: int = field(default=0, metadata=_stat(
         GAUGE, "shared memory held by batch slots", "bytes", "recorder"))
     executor: str = field(default="", metadata=_stat(
@@ -268,7 +270,10 @@ class LoaderStats:
         counters: dict[str, Any] = {}
         for name in _COUNTERS:
             later, before = getattr(self, name), getattr(earlier, name)
-            counters[name] = later[len(before):] if isinstance(later, tuple) else later - before
+            if isinstance(later, dict):
+                counters[name] = {key: n - before.get(key, 0) for key, n in later.items()}
+            else:
+                counters[name] = later[len(before):] if isinstance(later, tuple) else later - before
         return replace(self, **counters)
 
     @property

@@ -1,6 +1,7 @@
 """Lightning ``Trainer.fit`` runs over aioload loaders; run by tests/test_lightning.py.
 
     python tests/frameworks/lightning_run.py OUT --devices 2    # Lightning launches rank 1 itself
+    python tests/frameworks/lightning_run.py OUT --devices 1 --elastic-from CKPT   # resume on 1
 
 Each rank writes ``OUT/rank<r>.json``: ``{case: [[index, ...] per training step], ...}`` plus
 ``"observed"``, what the Trainer did with the loader. The cases, in one process group:
@@ -12,7 +13,9 @@ Each rank writes ``OUT/rank<r>.json``: ``{case: [[index, ...] per training step]
   ``resume/first``: the same run stopped at step 7, mid-epoch, by a checkpoint there;
   ``resume/rest``: a new model, data module and loader, ``fit(ckpt_path=...)`` to step 12.
   Each run starts from ``seed_everything(0, workers=True)``, as a fresh process would, and
-  its loader has ``seed=0``.
+  its loader has ``seed=0``;
+* ``elastic/rest`` (with ``--elastic-from``): ``resume/rest`` from a checkpoint saved with
+  another number of devices.
 
 The recipe in docs/integrations.md is the ``Data`` class below: build the loader wherever you
 like; return it from ``train_dataloader()``.
@@ -103,6 +106,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--elastic-from", help="only resume this checkpoint (saved on other devices) to step 12")
     args = p.parse_args()
     result: dict = {}
     rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -110,6 +114,15 @@ def main() -> None:
     def write() -> None:  # after every case: a failing case leaves the others to read
         with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
+
+    if args.elastic_from:
+        L.seed_everything(0, workers=True)
+        data, model = Data(build_now=True, workers=args.workers, seed=0), Model()
+        trainer(args, max_steps=12, enable_checkpointing=False).fit(model, data, ckpt_path=args.elastic_from)
+        result["elastic/rest"] = model.seen
+        data.loader.close()
+        write()
+        return
 
     # Built before any Trainer exists: no process group yet.
     early = {uds: Data(build_now=True, workers=args.workers) for uds in (True, False)}

@@ -1,0 +1,174 @@
+"""Elastic resume (:mod:`aioload._plan`): a state saved on N ranks resumes on M.
+
+# unit tests: no worker process
+
+Each rank is played in this one process with torch's fake process group (as in
+tests/test_unit_sampling.py), through the :class:`~aioload._sampling.Planner` that
+``aioload.DataLoader`` uses. The reference for "the rest of the epoch" is the uninterrupted run
+itself: every rank's batches after the ones the saved run delivered.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from aioload._plan.deal import Deal
+from aioload._plan.elastic import Segment, remainder, rest_of_epoch
+from aioload._seeding import derive_seed
+from tests.test_unit_sampling import make_planner, ranks  # noqa: F401 - ranks is a fixture
+
+LENGTH, BATCH = 48, 2
+
+
+class Blocks(torch.utils.data.Dataset):
+    """A dataset that computes its own order and is dealt in contiguous blocks (as shards are)."""
+
+    deal = "blocks"
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+    def epoch_order(self, seed, epoch, shuffle):
+        # runs of 4 in a shuffled order of runs, like samples of shards visited shard by shard
+        runs = torch.randperm(self.n // 4, generator=torch.Generator().manual_seed(derive_seed(seed, epoch)))
+        return (runs[:, None] * 4 + torch.arange(4)).reshape(-1) if shuffle else torch.arange(self.n)
+
+
+def plan_rank(ranks, rank, world, *, state=None, epoch=0, drop_last=False, dataset=None, seed=5):
+    """``(planner, progress, batches)`` of ``rank`` of ``world``, resumed from ``state``."""
+    ranks(rank, world)
+    planner = make_planner(LENGTH, BATCH, shuffle=True, seed=seed, drop_last=drop_last, dataset=dataset)
+    resume = planner.load(state) if state is not None else None
+    plan, progress = planner.plan(resume["epoch"] if resume else epoch, resume, False)
+    return planner, progress, [list(b) for _, b in plan.batches]
+
+
+def save_after(ranks, world, k, **kw):
+    """Every rank's batches of an uninterrupted ``world``-rank epoch, and rank 0's state after
+    it delivered its first ``k`` batches."""
+    runs = [plan_rank(ranks, r, world, **kw)[2] for r in range(world)]
+    planner, progress, _ = plan_rank(ranks, 0, world, **kw)
+    for seq in range(k):
+        progress.delivered.add(seq)
+    return runs, planner.state_dict(1, progress)
+
+
+def samples(batches_per_rank) -> Counter:
+    return Counter(i for batches in batches_per_rank for batch in batches for i in batch)
+
+
+@pytest.mark.parametrize("dataset", [None, Blocks(LENGTH)], ids=["stride", "blocks"])
+@pytest.mark.parametrize("saved_on,resumed_on", [(4, 2), (2, 4), (4, 3), (3, 2)])
+def test_the_rest_of_an_epoch_is_dealt_over_the_new_ranks_each_sample_once(ranks, saved_on, resumed_on, dataset):
+    runs, state = save_after(ranks, saved_on, 2, dataset=dataset)
+    rest = samples(batches[2:] for batches in runs)
+    resumed = [plan_rank(ranks, r, resumed_on, state=state, dataset=dataset)[2] for r in range(resumed_on)]
+    assert len({len(b) for b in resumed}) == 1, "every rank gets the same number of batches"
+    got = samples(resumed)
+    pad = -sum(rest.values()) % resumed_on  # DistributedSampler's rule: repeat the head
+    assert set(got) == set(rest) and all(got[i] >= rest[i] for i in rest)
+    assert sum(got.values()) - sum(rest.values()) == pad
+    assert len(resumed[0]) == -(-(sum(rest.values()) + pad) // resumed_on // BATCH)
+
+
+def test_with_drop_last_the_tail_of_the_rest_is_cut_and_nothing_repeats(ranks):
+    runs, state = save_after(ranks, 4, 1, drop_last=True)
+    rest = samples(batches[1:] for batches in runs)  # 48 - 8 = 40 samples
+    resumed = [plan_rank(ranks, r, 3, state=state, drop_last=True)[2] for r in range(3)]
+    got = samples(resumed)
+    assert max(got.values()) == 1 and set(got) <= set(rest)
+    assert [len(b) for b in resumed] == [6, 6, 6]  # 40 // 3 = 13 samples each, in 6 full batches
+    assert all(len(batch) == BATCH for batches in resumed for batch in batches)
+
+
+def test_a_state_saved_on_the_new_world_after_a_resume_resumes_again_anywhere(ranks):
+    runs, state = save_after(ranks, 4, 2)
+    on_two = [plan_rank(ranks, r, 2, state=state)[2] for r in range(2)]
+    planner, progress, _ = plan_rank(ranks, 0, 2, state=state)
+    for seq in range(3):
+        progress.delivered.add(seq)
+    again = planner.state_dict(1, progress)
+    assert again["progress"]["segments"] == [[4, 2, []]] and again["config"]["world_size"] == 2
+    rest = samples(batches[3:] for batches in on_two)
+    for world in (3, 2, 1):
+        resumed = [plan_rank(ranks, r, world, state=again)[2] for r in range(world)]
+        got = samples(resumed)
+        assert set(got) == set(rest) and sum(got.values()) == sum(rest.values()) + (-sum(rest.values()) % world)
+
+
+def test_batches_in_flight_when_saved_out_of_order_are_made_again(ranks):
+    runs, _ = save_after(ranks, 4, 0)
+    planner, progress, _ = plan_rank(ranks, 0, 4)
+    for seq in (0, 1, 3):  # batch 2 was still in flight (in_order=False)
+        progress.delivered.add(seq)
+    state = planner.state_dict(1, progress)
+    rest = samples([b for seq, b in enumerate(batches) if seq not in (0, 1, 3)] for batches in runs)
+    got = samples(plan_rank(ranks, r, 2, state=state)[2] for r in range(2))
+    assert got == rest  # 48 - 4 * 3 * 2 = 24 samples: no padding on two ranks
+
+
+def test_the_epochs_after_an_elastic_resume_are_what_the_new_world_gives(ranks):
+    _, state = save_after(ranks, 4, 2)
+    for r in range(3):
+        planner, _, _ = plan_rank(ranks, r, 3, state=state)
+        plan, _ = planner.plan(1, None, False)
+        fresh = plan_rank(ranks, r, 3, epoch=1)[2]
+        assert [list(b) for _, b in plan.batches] == fresh, f"rank {r}"
+
+
+def test_per_sample_seeds_survive_the_resplit(ranks):
+    _, state = save_after(ranks, 4, 2)
+    _, progress, _ = plan_rank(ranks, 1, 2, state=state)
+    assert progress.base_seed == state["progress"]["base_seed"] == derive_seed(5, 0, 1)
+
+
+def test_a_saved_position_is_checked_against_its_own_world_size(ranks):
+    _, state = save_after(ranks, 4, 2)
+    state["progress"]["delivered"]["below"] = 7  # an epoch has 6 batches per rank on 4 ranks
+    ranks(0, 2)
+    fresh = make_planner(LENGTH, BATCH, shuffle=True, seed=5)
+    with pytest.raises(ValueError, match=r"progress.delivered.below must be an int in \[0, 6\] \(that part of "
+                                         r"the epoch has 6 batches on 4 ranks\), got 7"):
+        fresh.load(state)
+
+
+def test_segments_are_checked_when_loaded(ranks):
+    _, state = save_after(ranks, 4, 2)
+    planner, progress, _ = plan_rank(ranks, 0, 2, state=state)
+    progress.delivered.add(0)
+    again = planner.state_dict(1, progress)
+    ranks(0, 2)
+    fresh = make_planner(LENGTH, BATCH, shuffle=True, seed=5)
+    bad = {**again, "progress": {**again["progress"], "segments": [[4, 9, []]]}}
+    with pytest.raises(ValueError, match=r"progress.segments\[0\]\[1\] must be an int in \[0, 6\]"):
+        fresh.load(bad)
+    bad = {**again, "progress": {**again["progress"], "segments": [[0, 1, []]]}}
+    with pytest.raises(ValueError, match=r"progress.segments\[0\]\[0\] must be an int >= 1, got 0"):
+        fresh.load(bad)
+    plain = make_planner(LENGTH, BATCH, seed=5, sampler=torch.utils.data.SequentialSampler(range(LENGTH)))
+    with pytest.raises(ValueError, match=r"progress.segments must be empty: this loader's order"):
+        plain.load({**again, "config": plain.config(), "progress": again["progress"]})
+
+
+# ----------------------------------------------------------------------------- the pure parts
+def test_remainder_counts_a_padded_position_delivered_if_either_slot_was():
+    deal = Deal(3, batch_size=2)  # 7 positions, 3 per rank, position 0 and 1 padded onto ranks 1, 2
+    # rank 0: 0 3 6 | rank 1: 1 4 0 | rank 2: 2 5 1 ; batch 0 of each: (0 3) (1 4) (2 5)
+    assert remainder(7, deal, Segment(3, 1)).tolist() == [6]
+    assert remainder(7, deal, Segment(3, 0)).tolist() == list(range(7))
+
+
+def test_rest_of_epoch_applies_segments_in_turn():
+    deal_for = lambda w: Deal(w, batch_size=1)  # noqa: E731
+    rest = rest_of_epoch(12, [Segment(4, 1), Segment(2, 2)], deal_for)
+    # 4 ranks deliver positions 0-3; the rest (4..11) on 2 ranks: rank 0 4 6 8 10, rank 1 5 7 9 11
+    assert rest.tolist() == [8, 9, 10, 11]
