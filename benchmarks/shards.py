@@ -171,22 +171,11 @@ class Recorded:
             close()
 
 
-def has_planner() -> bool:
-    """Whether aioload's loader plans epochs from a dataset's ``epoch_order`` itself."""
-    import importlib.util
-
-    return importlib.util.find_spec("aioload._plan") is not None
-
-
 def aioload_loader(ds, args, epoch: int):
-    common = dict(batch_size=args.batch_size, num_workers=args.workers, drop_last=True,
-                  io_concurrency=args.io_concurrency)
-    if has_planner():
-        loader = aioload.DataLoader(ds, shuffle=True, seed=epoch, **common)
-        return loader
-    order = ds.epoch_order(seed=epoch, epoch=0, shuffle=True).tolist()
-    ds.will_read(order)
-    return aioload.DataLoader(ds, sampler=order, **common)
+    """The loader plans the epoch from the dataset's order (``epoch_order``) and tells it what
+    it will read (``will_read``), as for any dataset that computes its order."""
+    return aioload.DataLoader(ds, shuffle=True, seed=epoch, batch_size=args.batch_size, num_workers=args.workers,
+                              drop_last=True, io_concurrency=args.io_concurrency)
 
 
 try:

@@ -2,10 +2,8 @@
 with worker processes: what is read (against ``webdataset``'s own reading of the same
 shards), in which order, with how many requests and how much memory, and what a broken shard
 does. Shards come from ``webdataset.ShardWriter`` (a PAX header before every member) and
-from ``aioload.ShardWriter``.
-
-Until the loader plans epochs from ``epoch_order``, a loader is given the dataset's order as
-its sampler and ``will_read`` is called by hand, as the loader's planner will call it."""
+from ``aioload.ShardWriter``. The loaders plan each epoch from the dataset's ``epoch_order``
+and tell it what they will read (``will_read``), as for any dataset that computes its order."""
 
 from __future__ import annotations
 
@@ -47,11 +45,11 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
 
 
-def read_all(ds, order, **loader_args):
-    """Every batch of one epoch over ``order``: ``(keys, digests, classes)`` in delivery order."""
-    ds.will_read(order)
+def read_all(ds, seed, shuffle=True, **loader_args):
+    """Every batch of one epoch (the first) of a loader seeded with ``seed``: ``(keys, digests,
+    classes, stats)`` in delivery order."""
     keys, digests, classes = [], [], []
-    with aioload.DataLoader(ds, sampler=order, **loader_args) as loader:
+    with aioload.DataLoader(ds, shuffle=shuffle, seed=seed, **loader_args) as loader:
         for k, d, c in loader:
             keys += k
             digests += d
@@ -65,9 +63,9 @@ def read_all(ds, order, **loader_args):
 def test_every_sample_once_as_webdataset_reads_it(shards, samples, writer, window):
     ds = aioload.WebDataset(shards[writer], decode=fingerprint, window=window)
     assert len(ds) == len(samples) and ds.shard_lengths == [10, 10, 10, 10, 8]
-    order = ds.epoch_order(seed=3, epoch=1, shuffle=True).tolist()
-    keys, digests, classes, stats = read_all(ds, order, batch_size=5, num_workers=2)
-    assert keys == [ds.key(i) for i in order]  # the sampler's order, delivered as it is
+    order = ds.epoch_order(seed=3, epoch=0, shuffle=True).tolist()
+    keys, digests, classes, stats = read_all(ds, 3, batch_size=5, num_workers=2)
+    assert keys == [ds.key(i) for i in order]  # the dataset's order
     truth = webdataset_reads(shards[writer])
     assert sorted(truth) == sorted(key for key, _, _ in samples)
     assert {k: (d, c) for k, d, c in zip(keys, digests, classes)} == truth
@@ -78,9 +76,8 @@ def test_the_order_is_the_same_at_any_worker_count(shards):
     runs = []
     for workers in (0, 1, 2):
         ds = aioload.WebDataset(shards["webdataset"], decode=fingerprint, window=3)
-        order = ds.epoch_order(seed=11, epoch=0, shuffle=True).tolist()
-        runs.append(read_all(ds, order, batch_size=4, num_workers=workers)[0])
-    assert runs[0] == runs[1] == runs[2]
+        runs.append(read_all(ds, 11, batch_size=4, num_workers=workers)[0])
+    assert runs[0] == runs[1] == runs[2] == [ds.key(i) for i in ds.epoch_order(11, 0, True)]
 
 
 def test_the_default_decode_makes_tensors_and_numbers(shards, image_root):
@@ -108,8 +105,7 @@ def test_decoders_extend_per_dataset_and_for_all(shards):
 
 def test_window_mode_fetches_each_shard_once_and_bounds_its_memory(shards):
     ds = aioload.WebDataset(shards["aioload"], decode=fingerprint, window=2, fetch_ahead=1)
-    order = ds.epoch_order(seed=0, epoch=0, shuffle=True).tolist()
-    *_, stats = read_all(ds, order, batch_size=4, num_workers=2, io_concurrency=8)
+    *_, stats = read_all(ds, 0, batch_size=4, num_workers=2, io_concurrency=8)
     sizes = ds.shard_sizes.tolist()
     assert stats.shard_fetches == 5 and stats.shard_fetch_bytes == sum(sizes)
     assert stats.requests_per_sample == pytest.approx(5 / len(ds))
@@ -133,7 +129,8 @@ def test_uniform_mode_hands_a_local_shards_range_to_the_worker_that_decodes_it(s
 
 def test_without_a_plan_window_mode_still_reads_everything(shards):
     ds = aioload.WebDataset(shards["webdataset"], decode=fingerprint, window=2)
-    with aioload.DataLoader(ds, batch_size=6, shuffle=True, num_workers=2) as loader:
+    sampler = torch.utils.data.RandomSampler(ds)  # a sampler of the user's: no epoch_order, no will_read
+    with aioload.DataLoader(ds, batch_size=6, sampler=sampler, num_workers=2) as loader:
         keys = [k for batch in loader for k in batch[0]]
         stats = loader.stats()
     assert sorted(keys) == sorted(ds.key(i) for i in range(len(ds)))
@@ -266,9 +263,7 @@ def test_on_error_skip_leaves_out_exactly_what_cannot_be_read(broken, window):
     pattern, urls, keys = broken
     ds = aioload.WebDataset(pattern, decode=lambda s: (s["__key__"], decode_image(s["jpg"]).shape[0]),
                             window=window, index_cache=False)
-    order = ds.epoch_order(seed=1, epoch=0, shuffle=True).tolist()
-    ds.will_read(order)
-    with aioload.DataLoader(ds, batch_size=4, sampler=order, num_workers=2, on_error="skip") as loader:
+    with aioload.DataLoader(ds, batch_size=4, shuffle=True, seed=1, num_workers=2, on_error="skip") as loader:
         got = [k for keys_, _ in loader for k in keys_]
         stats = loader.stats()
     bad = {i for i in range(len(ds)) if ds.key(i) in (keys["truncated"], keys["garbage"], keys["split"], "")}
@@ -279,9 +274,7 @@ def test_on_error_skip_leaves_out_exactly_what_cannot_be_read(broken, window):
 def test_the_loader_names_the_shard_and_key_of_a_failed_sample(broken):
     pattern, urls, keys = broken
     ds = aioload.WebDataset(pattern, decode=fingerprint, window=2, index_cache=False)
-    order = ds.epoch_order(seed=1, epoch=0, shuffle=False).tolist()
-    ds.will_read(order)
-    with aioload.DataLoader(ds, batch_size=4, sampler=order, num_workers=2) as loader:
+    with aioload.DataLoader(ds, batch_size=4, shuffle=False, num_workers=2) as loader:
         with pytest.raises(aioload.ShardError) as info:
             list(loader)
     notes = "\n".join(getattr(info.value, "__notes__", []))

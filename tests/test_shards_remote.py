@@ -53,9 +53,7 @@ def pattern(server, prefix: str) -> str:
 
 
 def epoch(ds, *, seed=0, shuffle=True, **loader_args):
-    order = ds.epoch_order(seed, 0, shuffle).tolist()
-    ds.will_read(order)
-    with aioload.DataLoader(ds, sampler=order, batch_size=4, num_workers=2, **loader_args) as loader:
+    with aioload.DataLoader(ds, shuffle=shuffle, seed=seed, batch_size=4, num_workers=2, **loader_args) as loader:
         rows = [row for keys, digests, classes in loader for row in zip(keys, digests, classes.tolist())]
         return rows, loader.stats()
 

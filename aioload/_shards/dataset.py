@@ -25,6 +25,7 @@ training sample (``decode=``, or :func:`decode_sample` by default).
 from __future__ import annotations
 
 import logging
+import operator
 import os
 from typing import Any, Callable, Mapping, Sequence
 
@@ -192,10 +193,13 @@ class WebDataset(Dataset):
         return f"shard {url}, sample {key!r}" if key else f"shard {url}, a corrupt stretch at byte {self._starts[index]}"
 
     def _check(self, index) -> int:
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
-            raise TypeError(f"WebDataset indices are ints, got {type(index).__name__}")
+        try:
+            i = operator.index(index)  # an int, a numpy integer, a 0-d integer tensor
+        except TypeError:
+            raise TypeError(f"WebDataset indices are ints, got {type(index).__name__}") from None
+        if isinstance(index, bool):
+            raise TypeError("WebDataset indices are ints, got bool")
         n = len(self)
-        i = int(index)
         if not -n <= i < n:
             raise IndexError(f"index {index} is out of range for a WebDataset of {n} samples")
         return i + n if i < 0 else i
