@@ -16,6 +16,7 @@ import aioload
 from aioload._plan.deal import Deal
 from tests.frameworks.launch import LAUNCH_TIMEOUT, torchrun
 from tests.frameworks.shards_run import BATCH, K, SEED
+from tests.httpserver import Server
 from tests.shards_data import image_samples, write_webdataset
 
 pytestmark = pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
@@ -25,23 +26,25 @@ WORLD = 2
 @pytest.fixture(scope="module")
 def jobs(image_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("shards-dist")
-    pattern = write_webdataset(image_samples(image_root), out / "shards", 10)
+    local = write_webdataset(image_samples(image_root), out / "shards", 10)
     mp = pytest.MonkeyPatch()
     mp.setenv("AIOLOAD_CACHE", str(out / "cache"))
     try:
-        torchrun("shards_run.py", ["first", pattern, str(out)], nproc=WORLD)
-        torchrun("shards_run.py", ["rest", pattern, str(out)], nproc=WORLD)
+        with Server(out / "shards") as server:  # over HTTP, so that window mode fetches whole shards
+            pattern = server.url("wds-{000000..000004}.tar")
+            torchrun("shards_run.py", ["first", pattern, str(out)], nproc=WORLD)
+            torchrun("shards_run.py", ["rest", pattern, str(out)], nproc=WORLD)
     finally:
         mp.undo()
     first = [json.loads((out / f"first.rank{r}.json").read_text()) for r in range(WORLD)]
     rest = [json.loads((out / f"rest.rank{r}.json").read_text()) for r in range(WORLD)]
-    return pattern, first, rest
+    return local, first, rest  # the same shards, read here from the disk
 
 
 @pytest.mark.parametrize("mode", ["uniform", "window"])
 def test_every_sample_once_per_epoch_and_equal_batches_on_every_rank(jobs, mode):
     pattern, first, _ = jobs
-    ds = aioload.WebDataset(pattern, index_cache=False)
+    ds = aioload.WebDataset(pattern)
     for epoch in range(2):
         per_rank = [run[mode]["full"][epoch] for run in first]
         assert len(per_rank[0]) == len(per_rank[1]) == first[0][mode]["len"] == 6  # 24 samples a rank
@@ -49,7 +52,7 @@ def test_every_sample_once_per_epoch_and_equal_batches_on_every_rank(jobs, mode)
         assert seen == Counter(ds.key(i) for i in range(len(ds)))  # 48 = 2 x 24: no padding, no drop
         # the dataset's order, dealt as its `deal` says
         order = ds.epoch_order(SEED, epoch, True) if mode == "uniform" else \
-            aioload.WebDataset(pattern, window=2, index_cache=False).epoch_order(SEED, epoch, True)
+            aioload.WebDataset(pattern, window=2).epoch_order(SEED, epoch, True)
         deal = Deal(WORLD, BATCH, False, "stride" if mode == "uniform" else "blocks")
         for rank, batches in enumerate(per_rank):
             expected = [ds.key(int(order[p])) for p in deal.positions(len(ds), rank)]
@@ -59,7 +62,7 @@ def test_every_sample_once_per_epoch_and_equal_batches_on_every_rank(jobs, mode)
 
 def test_window_mode_keeps_each_rank_on_shards_of_its_own(jobs):
     pattern, first, _ = jobs
-    ds = aioload.WebDataset(pattern, index_cache=False)
+    ds = aioload.WebDataset(pattern)
     shard_of = {ds.key(i): int(ds.shard_of(i)) for i in range(len(ds))}
     touched = [{shard_of[k] for batch in run["window"]["full"][0] for k in batch} for run in first]
     # 5 shards; in blocks, only the shards open where rank 0's block ends are read by both ranks
@@ -67,7 +70,7 @@ def test_window_mode_keeps_each_rank_on_shards_of_its_own(jobs):
     for rank, run in enumerate(first):
         epochs_touched = sum(len({shard_of[k] for b in epoch for k in b}) for epoch in run["window"]["full"])
         assert run["window"]["fetches"] == epochs_touched  # each shard it reads, fetched once an epoch
-        assert run["uniform"]["requests_per_sample"] == 0.0  # local shards: the workers read the ranges
+        assert run["uniform"]["requests_per_sample"] == 1.0  # a range request per sample
 
 
 @pytest.mark.parametrize("mode", ["uniform", "window"])

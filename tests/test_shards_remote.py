@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import aioload
 from aioload._storage import scope as _scope
@@ -82,6 +83,33 @@ def test_window_mode_gets_each_shard_once(server):
     assert all(counted[f"aio-{i:06d}.tar"] == 2 for i in range(5))  # and one GET of the whole shard
     assert server.ranges == []
     assert stats.shard_fetches == 5 and stats.requests_per_sample == pytest.approx(5 / 48)
+
+
+def test_window_mode_bounds_its_memory_and_frees_every_shard(server):
+    ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=2, fetch_ahead=1,
+                            storage=aioload.Storage(retry=RETRY))
+    assert not ds.read_in_workers and ds.deal == "blocks"  # one fetcher for every worker, on the loader's loop
+    _, stats = epoch(ds, io_concurrency=8)
+    sizes = ds.shard_sizes.tolist()
+    assert stats.shard_fetches == 5 and stats.shard_fetch_bytes == sum(sizes)
+    assert stats.bytes_per_sample == pytest.approx(sum(sizes) / len(ds))
+    assert stats.shard_window_reads == len(ds)
+    # k + ahead shards, and the shards first needed by the 8 reads in flight beyond them (one)
+    assert 0 < stats.shard_window_peak_bytes <= (2 + 1 + 1) * max(sizes)
+    assert stats.shard_window_bytes == 0  # every shard freed after its last read
+    assert "window mode: 0.104 requests" in str(stats)
+
+
+def test_without_a_plan_window_mode_still_reads_everything(server):
+    ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=2, storage=aioload.Storage(retry=RETRY))
+    sampler = torch.utils.data.RandomSampler(ds)  # a sampler of the user's: no epoch_order, no will_read
+    with aioload.DataLoader(ds, batch_size=6, sampler=sampler, num_workers=2) as loader:
+        keys = [k for batch in loader for k in batch[0]]
+        stats = loader.stats()
+    assert sorted(keys) == sorted(ds.key(i) for i in range(len(ds)))
+    # each read fetches its shard on demand (reads in flight may want every shard at once); once
+    # served, only the k most recently used are kept
+    assert stats.shard_fetches >= 5 and 0 < stats.shard_window_bytes <= 2 * max(ds.shard_sizes)
 
 
 def test_shards_without_sidecars_are_read_once_to_index_them(server):

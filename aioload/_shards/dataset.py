@@ -15,6 +15,10 @@ Two ways of reading, one order rule each:
   already fetched is handed over at once (``read_nowait``). Ranks take contiguous blocks of
   the order (``deal = "blocks"``), which keeps each on shards of its own.
 
+A shard on a local disk is not fetched in either mode: what a read hands over is where the
+sample's bytes are (:class:`_LocalRange`), and the worker reads them just before decoding, so
+the training process spends nothing per sample on them and the page cache holds the shards.
+
 What a read hands a worker is ``(the bytes of the sample's range, index)``; ``decode`` parses
 the tar headers inside it, checks that they name the sample the index expects (a shard
 written again since it was indexed is caught here, not decoded as another sample), and turns
@@ -225,7 +229,7 @@ class WebDataset(Dataset):
 
     @property
     def read_in_workers(self) -> bool:  # type: ignore[override]
-        if self._window is not None:
+        if self._window is not None and not self._local.all():
             return False  # the fetcher is shared by every worker: it lives on the loader's loop
         return bool(Dataset.read_in_workers.fget(self))  # type: ignore[attr-defined]
 
@@ -241,8 +245,11 @@ class WebDataset(Dataset):
         index = self._check(index)
         if index in self._faults:
             return NOT_READY  # read() raises it, as a failed read
+        shard = int(self.shard_of(index))
+        if self._local[shard]:  # also in window mode: the page cache holds a local shard, not this process
+            start, end = int(self._starts[index]), int(self._ends[index])
+            return _LocalRange(locate(self.urls[shard])[1], start, end - start), index
         if self._window is not None:
-            shard = int(self.shard_of(index))
             data = self._window.at_hand(shard)
             if data is None:
                 return NOT_READY
@@ -250,10 +257,6 @@ class WebDataset(Dataset):
                 return self._slice(data, index, shard)
             finally:
                 self._window.served(index, shard)
-        shard = int(self.shard_of(index))
-        if self._local[shard]:
-            start, end = int(self._starts[index]), int(self._ends[index])
-            return _LocalRange(locate(self.urls[shard])[1], start, end - start), index
         return NOT_READY
 
     async def read(self, index: int) -> tuple[Any, int]:
