@@ -5,6 +5,7 @@ shards hold, and what 5xx answers, missing and truncated shards and a hung serve
 
 from __future__ import annotations
 
+import gc
 import re
 import shutil
 import subprocess
@@ -98,6 +99,30 @@ def test_window_mode_bounds_its_memory_and_frees_every_shard(server):
     assert 0 < stats.shard_window_peak_bytes <= (2 + 1 + 1) * max(sizes)
     assert stats.shard_window_bytes == 0  # every shard freed after its last read
     assert "window mode: 0.104 requests" in str(stats)
+
+
+def test_window_dir_keeps_fetched_shards_on_disk_and_removes_them(server, tmp_path):
+    folder = tmp_path / "window"
+    ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=2, window_dir=folder,
+                            storage=aioload.Storage(retry=RETRY))
+    rows, stats = epoch(ds)
+    assert stats.shard_fetches == 5 and server.ranges == []  # the workers read the staged copies
+    assert sorted(rows) == sorted(epoch(aioload.WebDataset(pattern(server, "aio"), decode=fingerprint))[0])
+    (staging,) = folder.iterdir()
+    assert len(list(staging.iterdir())) <= ds._window.grace  # freed shards, kept for late readers
+    del ds, stats
+    gc.collect()
+    assert list(folder.iterdir()) == []
+
+
+def test_a_staged_copy_deleted_before_its_reader_is_read_from_the_shard(server, tmp_path, monkeypatch):
+    monkeypatch.setattr("aioload._shards.dataset.STAGED_LAG", 0)  # delete each shard's file as it is freed
+    ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=2, window_dir=tmp_path / "w",
+                            storage=aioload.Storage(retry=RETRY))
+    assert ds._window.grace == 0
+    rows, _ = epoch(ds)
+    assert sorted(k for k, _, _ in rows) == sorted(ds.key(i) for i in range(len(ds)))
+    assert 1 <= len(server.ranges) <= 48  # the samples whose copy was gone: a range request each
 
 
 def test_without_a_plan_window_mode_still_reads_everything(server):

@@ -42,7 +42,7 @@ from aioload._shards import tar
 from aioload._shards.decoders import DECODERS, Decoder, decode_sample
 from aioload._shards.index import IndexCache, Indexer, ShardError, default_cache_folder
 from aioload._shards.urls import shard_urls
-from aioload._shards.window import Window
+from aioload._shards.window import Staged, Window
 from aioload._storage import scope as _scope
 from aioload._storage.mounts import is_network
 from aioload._storage.storage import Storage, locate
@@ -52,22 +52,35 @@ logger = logging.getLogger("aioload")
 
 
 class _LocalRange:
-    """A sample's bytes in a local shard, read by the worker just before it decodes them."""
+    """A sample's bytes in a local file, read by the worker just before it decodes them: a
+    local shard, or (``staged`` true) a copy of a remote shard that window mode wrote to disk,
+    which may be gone by then (:mod:`aioload._shards.window`)."""
 
-    __slots__ = ("path", "offset", "length")
+    __slots__ = ("path", "offset", "length", "staged")
 
-    def __init__(self, path: str, offset: int, length: int):
-        self.path, self.offset, self.length = path, offset, length
+    def __init__(self, path: str, offset: int, length: int, staged: bool = False):
+        self.path, self.offset, self.length, self.staged = path, offset, length, staged
 
     def __reduce__(self):
-        return (_LocalRange, (self.path, self.offset, self.length))
+        return (_LocalRange, (self.path, self.offset, self.length, self.staged))
 
-    def read(self) -> bytes:
-        fd = os.open(self.path, os.O_RDONLY)
+    def read(self) -> bytes | None:
+        """The bytes; ``None`` for a staged copy already deleted (read the shard itself then)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            if self.staged:
+                return None
+            raise
         try:
             return os.pread(fd, self.length, self.offset)
         finally:
             os.close(fd)
+
+
+STAGED_LAG = 1024
+"""With ``window_dir``: how many samples after its last read a staged shard's file is kept for
+the workers that still have to read samples of it (a file gone earlier costs a range request)."""
 
 
 def _on_local_disk(urls: Sequence[str]) -> np.ndarray:
@@ -113,6 +126,10 @@ class WebDataset(Dataset):
       ``k`` shards at a time (one request per shard; about ``k + fetch_ahead`` shards held in
       the training process's memory). See ``docs/shards.md`` for which to pick.
     * ``fetch_ahead`` -- with ``window``: shards fetched before any of their samples is due.
+    * ``window_dir`` -- with ``window``: a local folder where fetched shards are kept instead of
+      the training process's memory; the workers read their samples there (the training process
+      then neither copies nor sends sample bytes). About ``k + fetch_ahead`` shards, plus those
+      freed within the last 1,024 samples, are on disk at a time.
     * ``storage`` -- an :class:`aioload.Storage`: retries, timeouts, ``max_bytes`` (a whole
       shard in window mode must fit it), credentials (``storage_options``), a cache.
     * ``index_cache`` -- where shard indexes are kept between runs: ``True`` (default:
@@ -130,7 +147,7 @@ class WebDataset(Dataset):
 
     def __init__(self, urls: str | os.PathLike | Sequence[str | os.PathLike],
                  decode: Callable[[dict[str, Any]], Any] | None = None, *,
-                 window: int | None = None, fetch_ahead: int = 2,
+                 window: int | None = None, fetch_ahead: int = 2, window_dir: str | os.PathLike | None = None,
                  decoders: Mapping[str, Decoder] | None = None, storage: Storage | None = None,
                  index_cache: bool | str | os.PathLike = True):
         _positive("window", window, allow_none=True)
@@ -138,6 +155,8 @@ class WebDataset(Dataset):
             raise ValueError(f"fetch_ahead must be an int >= 0, got {fetch_ahead!r}")
         if decode is not None and not callable(decode):
             raise TypeError(f"decode must be a function of the sample dict, or None, got {type(decode).__name__}")
+        if window_dir is not None and window is None:
+            raise ValueError("window_dir is where window mode keeps the shards it fetched: pass window=k with it")
         if storage is not None and not isinstance(storage, Storage):
             raise TypeError(f"storage must be an aioload.Storage, got {type(storage).__name__}")
         self.storage = storage if storage is not None else Storage()
@@ -145,6 +164,7 @@ class WebDataset(Dataset):
         self._decoders = dict(decoders) if decoders is not None else None
         self.window = window
         self.fetch_ahead = fetch_ahead
+        self.window_dir = os.fspath(window_dir) if window_dir is not None else None
         found = shard_urls(urls)
         if index_cache is True:
             cache: IndexCache | None = IndexCache(default_cache_folder())
@@ -170,8 +190,12 @@ class WebDataset(Dataset):
         n = int(self._first[-1])
         # a shard on a local disk is read by the worker that decodes it, just before (no request)
         self._local = _on_local_disk(urls) if self.storage.cache is None else np.zeros(len(urls), dtype=np.bool_)
-        self._window = (Window(urls, self.shard_of, n, self.storage, self.window, self.fetch_ahead)
-                        if self.window is not None else None)
+        self._window = None
+        if self.window is not None:
+            # a freed shard's file outlives it by about STAGED_LAG samples (see Window)
+            grace = -(-STAGED_LAG * len(counts) // max(1, n)) + (1 if STAGED_LAG else 0)
+            self._window = Window(urls, self.shard_of, n, self.storage, self.window, self.fetch_ahead,
+                                  self.window_dir, grace)
 
     # -- what the dataset holds ---------------------------------------------------------------
     def __len__(self) -> int:
@@ -272,8 +296,10 @@ class WebDataset(Dataset):
         start, end = int(self._starts[index]), int(self._ends[index])
         return await self.storage.read_range(self.urls[shard], start, end - start), index
 
-    def _slice(self, data: bytes, index: int, shard: int) -> tuple[bytes, int]:
+    def _slice(self, data: bytes | Staged, index: int, shard: int) -> tuple[Any, int]:
         start, end = int(self._starts[index]), int(self._ends[index])
+        if isinstance(data, Staged):  # window_dir: the worker reads the sample from the staged copy
+            return _LocalRange(data.path, start, end - start, staged=True), index
         return data[start:end], index
 
     def read_blocking(self, index: int) -> tuple[Any, int]:
@@ -292,11 +318,13 @@ class WebDataset(Dataset):
     def members(self, raw: tuple[Any, int]) -> dict[str, Any]:
         """What a read returned, as the sample dict: ``{"__key__", "__url__", ext: bytes}``."""
         data, index = raw
-        if isinstance(data, _LocalRange):
-            data = data.read()
         shard = int(self.shard_of(index))
         url, key = self.urls[shard], self._keys[index]
         start, end = int(self._starts[index]), int(self._ends[index])
+        if isinstance(data, _LocalRange):
+            data = data.read()
+            if data is None:  # a staged copy deleted before this worker got to it: ask the shard
+                data = _scope.run_blocking(lambda: self.storage.read_range(url, start, end - start))
         if len(data) < end - start:
             raise ShardError(f"shard {url}, sample {key!r}: {len(data)} of the sample's {end - start} bytes "
                              f"(from byte {start}) came back: the shard is shorter than when it was indexed "

@@ -22,18 +22,55 @@ reads the loader has in flight beyond them (about ``reads in flight / samples pe
 
 Without a plan (``dataset[i]``, a sampler that is not the dataset's order) every read still
 works: its shard is fetched on demand and kept among the ``k`` most recently used.
+
+With a ``folder`` (``WebDataset(window_dir=...)``) a fetched shard is written there and its
+bytes leave this process's memory: a read hands over where the sample is in that file
+(:class:`Staged`), and the worker that decodes it reads it there, so the training process
+neither copies nor sends the sample's bytes. A freed shard's file is deleted once ``grace``
+more shards have been freed (the samples of a freed shard may still be on their way to a
+worker); a worker that finds the file gone all the same reads the sample from the shard's URL
+(one range request), so the grace is a matter of requests, never of correctness. Disk:
+``k + ahead + grace`` shards.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import os
+import shutil
+import tempfile
 import time
+import weakref
 from typing import Callable, Sequence
 
 import numpy as np
 
 from aioload._storage.storage import Storage
+
+
+class Staged:
+    """A fetched shard written to ``path`` (``size`` bytes), instead of held in memory."""
+
+    __slots__ = ("path", "size")
+
+    def __init__(self, path: str, size: int):
+        self.path, self.size = path, size
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def _write(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _remove_folder(path: str, owner: int) -> None:
+    """Remove the staging folder, in the process that made it only (forked workers hold a copy
+    of the fetcher, and its finalizer with it)."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class _Plan:
@@ -58,8 +95,12 @@ class Window:
     ``sizes[s]`` (bytes) of shard ``s``; ``shard_of(indices)`` the shard of each index."""
 
     def __init__(self, urls: Sequence[str], shard_of: Callable[[np.ndarray], np.ndarray], n: int,
-                 storage: Storage, k: int, ahead: int):
+                 storage: Storage, k: int, ahead: int, folder: str | None = None, grace: int = 0):
         self.urls = list(urls)
+        self.folder = folder  # where fetched shards go (None: kept in memory)
+        self.grace = grace
+        self._staging: str | None = None  # this process's own subfolder of it, made on first use
+        self._finalizer = None
         self.shard_of = shard_of
         self.n = n
         self.storage = storage
@@ -82,12 +123,19 @@ class Window:
         self._fetching: dict[int, asyncio.Task] = {}
         self._failed: dict[int, BaseException] = {}
         self._loose: collections.OrderedDict[int, None] = collections.OrderedDict()  # fetched without a plan
+        for path in getattr(self, "_trash", ()):
+            _unlink(path)
+        for held in getattr(self, "_held_files", ()):
+            _unlink(held)
+        self._trash: collections.deque[str] = collections.deque()  # freed staged files, deleted after the grace
+        self._held_files: set[str] = set()
         self.held_bytes = 0
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state.update(_loop=None, _plan=None, _pending=None, _held={}, _fetching={}, _failed={},
-                     _loose=collections.OrderedDict(), held_bytes=0, _next=0)
+                     _loose=collections.OrderedDict(), held_bytes=0, _next=0, _staging=None, _finalizer=None,
+                     _trash=collections.deque(), _held_files=set())
         return state
 
     # -- the training thread ---------------------------------------------------------------
@@ -111,7 +159,7 @@ class Window:
             self._plan = pending
             self._pump()
 
-    def at_hand(self, shard: int) -> bytes | None:
+    def at_hand(self, shard: int) -> bytes | Staged | None:
         """The shard's bytes when it is held (nothing is fetched for it here); ``None`` also
         off the loop (a worker's receiving thread, when a loader makes the workers read)."""
         try:
@@ -121,7 +169,7 @@ class Window:
         self._here()
         return self._held.get(shard)
 
-    async def fetched(self, shard: int) -> bytes:
+    async def fetched(self, shard: int) -> bytes | Staged:
         """The shard's bytes, fetched now if need be (a failed fetch raises its error for every
         read of that shard in this epoch, without asking again)."""
         self._here()
@@ -166,6 +214,11 @@ class Window:
         data = self._held.pop(shard, None)
         if data is not None:
             self.held_bytes -= len(data)
+            if isinstance(data, Staged):
+                self._held_files.discard(data.path)
+                self._trash.append(data.path)
+                while len(self._trash) > self.grace:
+                    _unlink(self._trash.popleft())
         self._loose.pop(shard, None)
 
     def _pump(self) -> None:
@@ -187,10 +240,11 @@ class Window:
         self._fetching[shard] = task
         return task
 
-    async def _fetch(self, shard: int) -> bytes:
+    async def _fetch(self, shard: int) -> bytes | Staged:
         url = self.urls[shard]
         try:
             data = await self.storage.read_bytes(url)
+            kept = await self._stage(shard, data) if self.folder is not None else data
         except Exception as exc:
             self._failed[shard] = exc
             self._fetching.pop(shard, None)
@@ -202,8 +256,31 @@ class Window:
         self._fetching.pop(shard, None)
         self.fetches += 1
         self.fetch_bytes += len(data)
-        self._held[shard] = data
+        self._held[shard] = kept
         self.held_bytes += len(data)
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         self._pump()
-        return data
+        return kept
+
+    async def _stage(self, shard: int, data: bytes) -> Staged:
+        """Write a fetched shard into this process's staging folder (made on first use)."""
+        if self._staging is None:
+            os.makedirs(self.folder, exist_ok=True)
+            self._staging = tempfile.mkdtemp(prefix=f"aioload-window-{os.getpid()}-", dir=self.folder)
+            self._finalizer = weakref.finalize(self, _remove_folder, self._staging, os.getpid())
+        path = os.path.join(self._staging, f"{shard:06d}-{self.fetches:08d}.tar")
+        await asyncio.to_thread(_write, path, data)
+        self._held_files.add(path)
+        return Staged(path, len(data))
+
+    def close(self) -> None:
+        """Delete what is staged on disk (also done when the fetcher is garbage collected)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
