@@ -31,7 +31,9 @@ Scenarios: ``local`` (shards on this disk) and, for each of ``--latencies``, the
 ``aioload._tools.benchserver`` on 127.0.0.1 (each request answered after L ms, each body paced
 to ``--mb-per-s``; Range supported). Columns: img/s after the first ``--skip-batches`` + 1
 batches; the share of the local ceiling (the same decode + transform on the local files in
-``--workers`` bare processes, measured every round); main-process CPU ms per image
+``--workers`` bare processes, measured at the start of every round; the median of each round's
+ratio, so that a machine busier in one round than another does not skew it); main-process CPU
+ms per image
 (``time.process_time``, every thread of the training process); storage requests per sample
 (counted by the server, per sample of the epoch); peak memory (PSS of the training process and its workers); disk the
 loader needs beyond the shards (LitData's converted copy; aioload's index cache); distinct
@@ -291,7 +293,8 @@ def run(args) -> dict:
                     loader = box["loader"]
                     stats = result.stats
                     results[scenario, name].append({
-                        "img_s": result.rate, "cpu_ms_per_image": result.cpu_ms_per_image,
+                        "img_s": result.rate, "of_local_ceiling": result.rate / ceilings[-1] if ceilings[-1] else 0.0,
+                        "cpu_ms_per_image": result.cpu_ms_per_image,
                         "memory_mb": result.memory_mb, "classes_per_batch": statistics.fmean(loader.classes or [0]),
                         "requests_per_sample": asked / per_epoch if server is not None else 0.0,
                         "aioload_requests_per_sample": getattr(stats, "requests_per_sample", None),
@@ -314,7 +317,6 @@ def run(args) -> dict:
             for key in runs[0]:
                 values = [x[key] for x in runs if x[key] is not None]
                 row[key] = median(values) if values else None
-            row["of_local_ceiling"] = row["img_s"] / local_ceiling if local_ceiling else 0.0
             out.append(row)
     return {"rows": out, "local_ceiling_img_s": local_ceiling, "ceilings": ceilings,
             "uniform_classes_per_batch": uniform_classes(data.labels, args.batch_size),

@@ -157,7 +157,7 @@ def test_5xx_answers_are_retried(server, window):
 
 
 @pytest.mark.parametrize("window", [None, 2])
-def test_a_shard_that_keeps_failing_names_itself_and_its_samples_are_skipped(server, window):
+def test_a_shard_that_keeps_failing_names_itself_and_its_samples_are_skipped(server, window, caplog):
     ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=window,
                             storage=aioload.Storage(retry=RETRY))
     url = server.url("aio-000003.tar")
@@ -166,11 +166,19 @@ def test_a_shard_that_keeps_failing_names_itself_and_its_samples_are_skipped(ser
                                                       r"status: HTTP 503") as info:
         epoch(ds, shuffle=False)
     notes = "\n".join(info.value.__notes__)
-    assert re.search(rf"while reading dataset index 30 \(shard {re.escape(url)}, sample 'class_\d+/img_\d+'\)", notes)
+    assert re.search(rf"while reading dataset index 3\d \(shard {re.escape(url)}, sample 'class_\d+/img_\d+'\)$",
+                     notes)
+    assert len(set(re.findall(r"while reading dataset index (\d+)", notes))) == 1  # its own, not every failed one's
     server.script("aio-000003.tar", *[503] * 40)
+    caplog.clear()
     rows, stats = epoch(ds, on_error="skip")
     shard3 = set(range(30, 40))
     assert set(stats.skipped) == shard3
+    logged = [r.getMessage() for r in caplog.records if "skipped dataset index" in r.getMessage()]
+    assert len(logged) == 10
+    for line in logged:  # each skip names its own sample alone (window mode: one fetch failed them all)
+        index = re.match(r"on_error='skip': skipped dataset index (\d+)", line).group(1)
+        assert set(re.findall(r"while reading dataset index (\d+)", line)) == {index}
     assert sorted(k for k, _, _ in rows) == sorted(ds.key(i) for i in range(48) if i not in shard3)
 
 

@@ -260,3 +260,30 @@ def test_a_sample_split_by_a_corrupt_header_is_a_fault_on_both_sides():
     assert index.keys == ["a", "", "a", "b"]
     split = f"sample 'a' is split by the corrupt stretch at byte {second}: members of it are missing"
     assert index.faults[0] == index.faults[2] == split and 3 not in index.faults
+
+
+# -- the statistics' shard figures and verdict -------------------------------------------------------
+def test_the_verdict_names_the_shard_stage_when_it_is_the_limit():
+    from aioload._observe.stats import LoaderStats
+
+    common = dict(batches=10, samples=640, epochs=1, elapsed_s=10.0, first_batch_s=1.0, wait_s=6.0,
+                  num_workers=2, io_concurrency=64, decode_s=2.0, decode_cpu_s=1.9, decoded=640)
+    window = LoaderStats(**common, shard_mode="window", shard_fetches=8, shard_fetch_bytes=8 * 11_200_000,
+                         shard_fetch_wait_s=23.0, reads=640, shard_window_reads=640)
+    assert window.verdict_category == "shard-bound"
+    assert window.verdict == ("data-bound 67% of the time: reads waited for whole-shard fetches (2.3 reads waiting "
+                              "on average; 8 shards fetched, 11.2 MB each): fetch more shards ahead "
+                              "(WebDataset(fetch_ahead=...)), or read samples by range (window=None) if the store "
+                              "is slow per byte")
+    assert window.requests_per_sample == 8 / 640 and window.bytes_per_sample == 8 * 11_200_000 / 640
+    assert "shards           window mode: 0.013 requests and 140.0 KB from storage per sample; 8 shards" in str(window)
+    uniform = LoaderStats(**common, shard_mode="uniform", reads=640, bytes_read=640 * 110_000, read_s=600.0,
+                          read_p50_ms=48.2)
+    assert uniform.verdict_category == "shard-bound"
+    assert uniform.verdict.endswith("range reads of shard samples are saturated (60 of 64 in flight, p50 48.2 ms, "
+                                    "1.00 requests per sample): raise io_concurrency, or fetch whole shards "
+                                    "(WebDataset(window=k): one request per shard)")
+    plain = LoaderStats(**common, reads=640, read_s=600.0, read_p50_ms=48.2)
+    assert plain.verdict_category == "read-bound" and "shards" not in str(plain)
+    calm = LoaderStats(**common, shard_mode="window", shard_fetches=8, shard_fetch_wait_s=2.0)
+    assert calm.verdict_category != "shard-bound"

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import os
 import shutil
 import tempfile
@@ -177,7 +178,7 @@ class Window:
         if data is not None:
             return data
         if shard in self._failed:
-            raise self._failed[shard]
+            raise _again(self._failed[shard])
         task = self._fetching.get(shard)
         if task is None:
             task = self._start(shard)
@@ -187,7 +188,7 @@ class Window:
         finally:
             self.wait_s += time.perf_counter() - started
         if shard in self._failed:
-            raise self._failed[shard]
+            raise _again(self._failed[shard])
         data = self._held.get(shard)
         if data is None:  # freed meanwhile by reads that the plan counted (a read served twice)
             return task.result()
@@ -246,9 +247,8 @@ class Window:
             data = await self.storage.read_bytes(url)
             kept = await self._stage(shard, data) if self.folder is not None else data
         except Exception as exc:
-            self._failed[shard] = exc
+            self._failed[shard] = exc  # its message names the shard's URL; each read adds its sample
             self._fetching.pop(shard, None)
-            exc.add_note(f"while fetching shard {url} whole (window mode)")
             return b""
         except BaseException:
             self._fetching.pop(shard, None)
@@ -277,6 +277,15 @@ class Window:
         """Delete what is staged on disk (also done when the fetcher is garbage collected)."""
         if self._finalizer is not None:
             self._finalizer()
+
+
+def _again(exc: BaseException) -> BaseException:
+    """The failed fetch's error for one more read: a copy, so that the note each read adds
+    (which sample it was) is its own."""
+    clone = copy.copy(exc)
+    clone.__notes__ = list(getattr(exc, "__notes__", []))
+    clone.__cause__, clone.__traceback__ = exc.__cause__, exc.__traceback__
+    return clone
 
 
 def _unlink(path: str) -> None:
