@@ -212,6 +212,7 @@ class DataLoader(Generic[_T_co]):
         # epoch holds, its engine and queue, must not outlive its iterator).
         self._running: weakref.ref[EpochContext] | None = None
         self._stats = StatsRecorder()
+        self._dataset_base = dataset_figures(dataset)  # a dataset's own counters count from here
         self._tuner = make_tuner(io_concurrency, self.queue_depth, self._torch.batch_size, num_workers,
                                  default_depth, reads=is_split(dataset))
         self._monitor = None
@@ -384,7 +385,7 @@ class DataLoader(Generic[_T_co]):
             if self._progress is not None:
                 tally.settle(self._progress.delivered)
             gauges["per_source"] = tally.figures()
-        gauges.update(dataset_figures(self.dataset))
+        gauges.update(dataset_figures(self.dataset, self._dataset_base))
         return self._stats.snapshot(**gauges)
 
     def _limits(self) -> tuple[int, int]:

@@ -84,6 +84,9 @@ def test_window_mode_gets_each_shard_once(server):
     assert all(counted[f"aio-{i:06d}.tar"] == 2 for i in range(5))  # and one GET of the whole shard
     assert server.ranges == []
     assert stats.shard_fetches == 5 and stats.requests_per_sample == pytest.approx(5 / 48)
+    _, again = epoch(ds, seed=1)  # the same dataset in a second loader: that loader's own fetches
+    assert again.shard_fetches == 5 and again.requests_per_sample == pytest.approx(5 / 48)
+    assert server.requests["aio-000000.tar"] == 3
 
 
 def test_window_mode_bounds_its_memory_and_frees_every_shard(server):

@@ -184,7 +184,8 @@ class LoaderStats:
     shard_window_bytes: int = field(default=0, metadata=_stat(
         GAUGE, "window mode: the bytes of the shards held now", "bytes", "loader"))
     shard_window_peak_bytes: int = field(default=0, metadata=_stat(
-        GAUGE, "window mode: the most bytes of shards held at once", "bytes", "loader"))
+        GAUGE, "window mode: the most bytes of shards held at once in the epoch in progress (or the last one)",
+        "bytes", "loader"))
     first_batch_samples: int = field(default=0, metadata=_stat(
         COUNTER, "the samples of each epoch's first batch", "samples", "recorder"))
     cpu_window_s: float = field(default=0.0, metadata=_stat(
@@ -365,10 +366,18 @@ def _shard_bound(s: LoaderStats) -> str | None:
     return None
 
 
-def dataset_figures(dataset) -> dict:
-    """The statistics a dataset reports of its own I/O (``aioload.WebDataset.io_figures``)."""
+def dataset_figures(dataset, since: dict | None = None) -> dict:
+    """The statistics a dataset reports of its own I/O (``aioload.WebDataset.io_figures``),
+    its counters less those in ``since`` (what it had counted when the loader was made: a
+    dataset may feed several loaders in turn)."""
     figures = getattr(dataset, "io_figures", None)
-    return dict(figures()) if callable(figures) else {}
+    found = dict(figures()) if callable(figures) else {}
+    if since:
+        for name, value in found.items():
+            stat = STATS.get(name)
+            if stat is not None and stat.kind == COUNTER and name in since:
+                found[name] = value - since[name]
+    return found
 
 
 def _executor_bound(s: LoaderStats) -> tuple[str, str]:

@@ -158,6 +158,7 @@ class Window:
         if loop is not self._loop or pending is not None:
             self._reset(loop)
             self._plan = pending
+            self.peak_bytes = 0  # the peak of each epoch
             self._pump()
 
     def at_hand(self, shard: int) -> bytes | Staged | None:
