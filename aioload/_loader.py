@@ -110,7 +110,8 @@ class DataLoader(Generic[_T_co]):
     * ``read_timeout`` -- seconds one ``Dataset.read`` may take before it fails with
       :class:`aioload.DataLoaderTimeoutError` (skipped like any failure with ``on_error="skip"``).
     * ``log_every`` -- log a line of statistics with a verdict (logger ``"aioload"``, level
-      INFO) every this many seconds; ``progress=True`` shows a tqdm bar per epoch.
+      INFO) every this many seconds; ``progress=True`` shows a tqdm bar per epoch on a terminal
+      (a plain line a minute elsewhere).
     * ``shard`` -- with a map-style dataset and no sampler given, each rank loads a disjoint
       shard of equal length (like ``DistributedSampler``) once ``torch.distributed`` is
       initialised: decided every epoch, so the loader may be built before

@@ -38,14 +38,15 @@ CLASSES = 4
 def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", help="an image folder (default: generate the synthetic one)")
-    p.add_argument("--images", type=int, default=64, help="synthetic images to generate")
-    p.add_argument("--steps", type=int, default=6, help="train until this many steps in all")
-    p.add_argument("--batch-size", type=int, default=8, help="per rank")
-    p.add_argument("--image-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=2, help="decode processes per rank")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", help="save model, optimiser and loader state here at the end")
-    p.add_argument("--resume", help="continue from this checkpoint")
+    p.add_argument("--images", type=int, default=64, help="synthetic images to generate (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=6,
+                   help="train until this many steps in all, a resumed run's included (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="images per batch, per rank (default: %(default)s)")
+    p.add_argument("--image-size", type=int, default=64, help="training crop size, px (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=2, help="decode processes per rank (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="order and augmentation seed (default: %(default)s)")
+    p.add_argument("--checkpoint", help="save model, optimiser and loader state here at the end (default: no checkpoint)")
+    p.add_argument("--resume", help="continue from this checkpoint (default: start afresh)")
     return p.parse_args()
 
 
@@ -132,9 +133,11 @@ def main() -> None:
             optimizer.load_state_dict(ckpt["optimizer"])
             loader.load_state_dict(ckpt["loaders"][rank])
             step, epoch = ckpt["step"], ckpt["epoch"]
+            if rank == 0:
+                print(f"resumed from {args.resume}: step {step}, epoch {epoch}", flush=True)
         if rank == 0:
-            print(f"{world} ranks on {device.type}, {len(ds)} images, {len(loader)} batches per rank "
-                  f"and epoch", flush=True)
+            print(f"{world} rank{'' if world == 1 else 's'} on {device.type}, {len(ds)} images, "
+                  f"{len(loader)} batches per rank and epoch", flush=True)
         while step < args.steps:
             loader.set_epoch(epoch)  # keeps a loaded mid-epoch state for this epoch
             for images, labels in loader:
@@ -152,6 +155,9 @@ def main() -> None:
                 epoch += 1
         if args.checkpoint:
             save(args.checkpoint, model, optimizer, loader, step, epoch)
+            if rank == 0:
+                print(f"saved step {step}, epoch {epoch} to {args.checkpoint}: --resume {args.checkpoint} "
+                      f"goes on from there", flush=True)
     dist.destroy_process_group()
 
 

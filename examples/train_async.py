@@ -38,28 +38,35 @@ async def train(args) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     ticks: list = []
     beat = asyncio.create_task(heartbeat(0.01, ticks))
-    step = 0
+    step = epoch = 0
+    loss = torch.tensor(float("nan"))
     try:
         async with aioload.DataLoader(dataset, batch_size=32, shuffle=True, num_workers=args.workers,
                                       drop_last=True, device=device) as loader:
-            async for images, labels in loader:
-                loss = torch.nn.functional.cross_entropy(model(normalize(images)), labels)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                step += 1
-                await asyncio.sleep(0)  # let other coroutines run between steps
-                if step >= args.steps:
-                    break
+            if len(loader) == 0:
+                raise SystemExit(f"{root} has fewer images than one batch (32)")
+            while step < args.steps:  # as many epochs as the steps take
+                async for images, labels in loader:
+                    loss = torch.nn.functional.cross_entropy(model(normalize(images)), labels)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    step += 1
+                    await asyncio.sleep(0)  # let other coroutines run between steps
+                    if step >= args.steps:
+                        break
+                epoch += 1
     finally:
         beat.cancel()
-    print(f"done: {step} steps, loss {loss.item():.3f}, heartbeat ticked {len(ticks)} times")
+    print(f"done: {step} steps in {epoch} epoch{'' if epoch == 1 else 's'}, loss {loss.item():.3f}, "
+          f"heartbeat ticked {len(ticks)} times")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", help="ImageFolder-style directory (default: 256 generated JPEGs)")
-    parser.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="training steps, over as many epochs as that takes (default: 10)")
     parser.add_argument("--workers", type=int, default=2, help="decode processes (default: 2)")
     asyncio.run(train(parser.parse_args()))
 

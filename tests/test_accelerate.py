@@ -11,7 +11,7 @@ import pytest
 
 from tests.frameworks.launch import LAUNCH_TIMEOUT, Ranks, start, torchrun_args
 
-pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+pytestmark = [pytest.mark.timeout(LAUNCH_TIMEOUT + 30), pytest.mark.slow]
 
 SAMPLES = 40
 

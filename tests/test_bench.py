@@ -7,11 +7,17 @@ loaders, real worker processes. Nothing here asserts a speed.
 
 from __future__ import annotations
 
+import argparse
+import fcntl
 import os
+import pty
 import re
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +26,8 @@ import pytest
 import aioload
 from aioload._tools import cli as _cli
 from aioload._tools.synth import default_root
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--images", "32", "--batch-size", "8", "--workers", "1", "--rounds", "1"]
@@ -68,9 +76,23 @@ def test_bench_runs_both_scenarios_and_draws_a_png(tmp_path):
     table = out.split("aioload pipeline")[0]
     local, http = table.split("\nlocal folder\n")[1].split("\nHTTP, 20 ms round trip\n")
     for block in (local, http):
-        for label, _, _ in _cli.ROWS:
+        for label, _, _, _ in _cli.ROWS:
             assert f"  {label} " in block
-    assert "ceiling img/s (no loader)" in local and "aioload img/s / local ceiling" in http
+        # no training step ran: the share of time waited (about 100 % for any loader) is not shown
+        assert _cli.STEP_ROW[0] not in block and "% of the time" not in block
+        # aioload's batches never touch /dev/shm: no ratio against zero
+        assert re.search(r"  /dev/shm MB \(peak\) +[\d.]+ +none\n", block), block
+    assert "ceiling img/s (decode alone)" in local and "aioload img/s / local ceiling" in http
+    # it ends with a summary that agrees with the table, and the next step
+    *_, summary, next_step = out.splitlines()
+    said = re.fullmatch(r"summary: aioload delivered ([\d.]+)x torch's img/s on local files \(\d+% of the ceiling\) "
+                        r"and ([\d.]+)x behind 20 ms of HTTP latency \(\d+% of the local ceiling\), with 1 worker each",
+                        summary)
+    assert said, summary
+    for ratio, block in zip(said.groups(), (local, http)):
+        torch_rate, aioload_rate = map(float, re.search(r"img/s after the first batch +([\d.]+) +([\d.]+)", block).groups())
+        assert abs(float(ratio) - aioload_rate / torch_rate) < 0.015, (ratio, block)  # the table's figures are rounded
+    assert next_step.startswith("next: aioload bench --data DIR measures your own images")
     # aioload's own statistics: local files are read in the workers (0 B on the event loop),
     # every image of the HTTP scenario on the event loop
     stats = out.split("aioload pipeline, HTTP, 20 ms round trip")[1]
@@ -78,14 +100,45 @@ def test_bench_runs_both_scenarios_and_draws_a_png(tmp_path):
     assert reads and int(reads.group(1)) == 32 and reads.group(3) != "B"
     assert re.search(r"reads\s+\d+ \(0 B on the event loop\)", out.split("aioload pipeline, local folder")[1])
     assert "verdict          [" in stats
-    # a bar per round, then the round's line
+    # stderr is a pipe here: no bars, only each round's line
+    assert "\r" not in err and "batch/s" not in err
     for name in ("local torch DataLoader", "local aioload DataLoader", "http  torch DataLoader",
                  "http  aioload DataLoader"):
-        assert f"round 1/1 {name}: " in err  # its bar
         assert re.search(f"round 1/1 {name} +[\\d.]+ img/s after the first batch", err)
-    assert err.count("0/4 [") >= 4  # each bar counts the round's 4 batches
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert servers_for(cache / "imagenet-like-32-8-s0") == []
+
+
+def run_bench_on_a_terminal(args: list[str], cache: Path, timeout: float = 300) -> tuple[str, str]:
+    """The bench with its stderr on a pseudo-terminal (as when run by hand) and its stdout
+    piped: ``(stdout, what the terminal got)``."""
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    written = bytearray()
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(controller, 65536)
+            except OSError:  # EIO: the bench and its children have closed the terminal
+                return
+            if not data:
+                return
+            written.extend(data)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "aioload", "bench", *args], cwd=cache.parent,
+                              env=bench_env(cache), stdout=subprocess.PIPE, stderr=terminal, text=True,
+                              timeout=timeout)
+    finally:
+        os.close(terminal)
+        reader.join(30)
+        os.close(controller)
+    terminal_text = written.decode(errors="replace")
+    assert done.returncode == 0, done.stdout + terminal_text
+    return done.stdout, terminal_text
 
 
 def test_bench_reuses_its_data_and_draws_an_svg(tmp_path, monkeypatch):
@@ -93,11 +146,20 @@ def test_bench_reuses_its_data_and_draws_an_svg(tmp_path, monkeypatch):
     monkeypatch.setenv("AIOLOAD_CACHE", str(cache))
     made = aioload.make_data(n=32)
     assert made == cache / "imagenet-like-32-8-s0" == default_root(32)
-    done = run_bench([*SMALL, "--scenarios", "local", "--plot", str(tmp_path / "bench.svg")], cache)
-    assert f"using the 32 synthetic JPEGs made earlier in {made}" in done.stderr
-    assert "generating" not in done.stderr
-    assert "\nlocal folder\n" in done.stdout and "HTTP" not in done.stdout
+    out, err = run_bench_on_a_terminal([*SMALL, "--scenarios", "local", "--step-ms", "1",
+                                        "--plot", str(tmp_path / "bench.svg")], cache)
+    assert f"using the 32 synthetic JPEGs made earlier in {made}" in err
+    assert "generating" not in err
+    assert "\nlocal folder\n" in out and "HTTP" not in out
+    # a training step ran: the table says what share of the time it stood waiting for data
+    assert re.search(rf"\n  {re.escape(_cli.STEP_ROW[0])} +\d+% +\d+%\n", out), out
+    assert out.splitlines()[-1].startswith("next: aioload bench --data DIR")
     assert "<svg" in (tmp_path / "bench.svg").read_text()
+    # on a terminal, a bar per round (counting its 4 batches), then the round's line
+    for name in ("local torch DataLoader", "local aioload DataLoader"):
+        assert f"round 1/1 {name}: " in err  # its bar
+        assert re.search(f"round 1/1 {name} +[\\d.]+ img/s after the first batch", err)
+    assert err.count("0/4 [") >= 2
 
 
 @pytest.mark.parametrize("how", ["interrupt", "kill"])
@@ -130,6 +192,72 @@ def test_bench_server_stops_with_the_bench(tmp_path, how):
             os.kill(pid, signal.SIGKILL)
 
 
+# -- the table, its note and the closing lines (figures made up: the formatting is under test) --
+def scenario(key: str, torch_rate: float, aioload_rate: float, ceilings=(), batches: int = 16, workers: int = 2,
+             shm: float = 0.0) -> _cli.Scenario:
+    """A scenario of one round whose runs have the given rates, over ``batches`` batches of 64."""
+    from aioload._tools.bench import Comparison, Run
+
+    def run(name: str, rate: float, shm_mb: float) -> Run:
+        images = 64 * (batches - 1)
+        return Run(name, images, images / rate, 0.3, 0.03, 700.0, shm_mb, None, 0.5 * images / rate, batches - 1)
+
+    comparison = Comparison({})
+    comparison.runs = {"torch DataLoader": [run("torch DataLoader", torch_rate, 18.4)],
+                       "aioload DataLoader": [run("aioload DataLoader", aioload_rate, shm)]}
+    title = "local folder" if key == "local" else "HTTP, 20 ms round trip"
+    return _cli.Scenario(key, title, comparison, workers, list(ceilings))
+
+
+def test_above_the_ceiling_is_marked_and_explained():
+    local = scenario("local", 500.0, 660.0, ceilings=[600.0, 640.0, 700.0])
+    http = scenario("http", 80.0, 650.0)
+    text = _cli.table([local, http])
+    assert "  ceiling img/s (decode alone)        640.0            aioload 103%* of it\n" in text
+    assert re.search(r"\n  aioload img/s / local ceiling +102%\*\n", text), text
+    note = " ".join(text.split("\n  * ")[1].split())
+    # the ceiling's spread over the rounds, and the head start of the first batches: with 2
+    # workers on 16-batch epochs, 15 batches counted for 14 batches' work
+    assert "(600-700 img/s here)" in note and "up to 7% more on 16-batch epochs with 2 workers" in note
+    assert note.endswith("Read it as: at the ceiling.")
+    # far above the ceiling and its head start: the load changed during the run
+    noisy = _cli.table([scenario("local", 500.0, 800.0, ceilings=[600.0, 640.0, 700.0])])
+    assert " ".join(noisy.split("\n  * ")[1].split()).endswith(
+        "This far above it, the machine's load changed during the run: measure again when it is quieter.")
+    args = argparse.Namespace(latency_ms=20.0, workers=2, data=None, step_ms=0.0)
+    assert _cli.summary([local, http], args) == (
+        "summary: aioload delivered 1.32x torch's img/s on local files (103% of the ceiling) and 8.12x behind "
+        "20 ms of HTTP latency (102% of the local ceiling), with 2 workers each")
+
+
+def test_below_the_ceiling_needs_no_note_and_shm_of_zero_has_no_ratio():
+    local = scenario("local", 500.0, 600.0, ceilings=[640.0], shm=0.0)
+    text = _cli.table([local])
+    assert "*" not in text and "aioload 94% of it" in text
+    assert re.search(r"\n  /dev/shm MB \(peak\) +18\.4 +none\n", text), text
+    used = _cli.table([scenario("local", 500.0, 600.0, ceilings=[640.0], shm=9.2)])
+    assert re.search(r"\n  /dev/shm MB \(peak\) +18\.4 +9\.2 +0\.50x\n", used), used
+    # another program's few KB on /dev/shm, below what the table shows, is still none
+    other = _cli.table([scenario("local", 500.0, 600.0, ceilings=[640.0], shm=0.04)])
+    assert re.search(r"\n  /dev/shm MB \(peak\) +18\.4 +none\n", other), other
+
+
+def test_the_step_row_only_with_a_training_step():
+    local = scenario("local", 500.0, 600.0, ceilings=[640.0])
+    assert _cli.STEP_ROW[0] not in _cli.table([local])
+    assert re.search(rf"\n  {re.escape(_cli.STEP_ROW[0])} +50% +50%\n", _cli.table([local], step=True))
+
+
+@pytest.mark.parametrize(("data", "step_ms", "expected"), [
+    (None, 0.0, r"next: aioload bench --data DIR measures your own images .*; --step-ms 30 adds a 30 ms training step .*"),
+    (None, 30.0, r"next: aioload bench --data DIR measures your own images \(class folders of JPEGs, as ImageFolder reads\)"),
+    ("photos", 0.0, r"next: --step-ms 30 adds a 30 ms training step to each batch, .*"),
+    ("photos", 30.0, r"next: put aioload.DataLoader into your training loop \(README.md: the one-line change\)"),
+])
+def test_the_next_step_follows_what_ran(data, step_ms, expected):
+    assert re.fullmatch(expected, _cli.next_step(argparse.Namespace(data=data, step_ms=step_ms)))
+
+
 # -- the command line's help ------------------------------------------------------------------
 def subcommands() -> dict:
     parser = _cli.parser()
@@ -151,7 +279,11 @@ def test_top_level_help_is_plain_text_and_names_the_cache_variable(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "`" not in out
-    assert "aioload bench" in out and "aioload make-data DIR" in out
+    # each command is listed once (not also in the description), on one line with its help
+    for name in subcommands():
+        listed = [line for line in out.splitlines() if re.match(rf"\s+(aioload )?{re.escape(name)}\b", line)]
+        assert len(listed) == 1, (name, listed)
+        assert re.fullmatch(rf"    {re.escape(name)}  +\w.+", listed[0]), listed
     assert "AIOLOAD_CACHE" in out and "~/.cache/aioload" in out
     bench = " ".join(subcommands()["bench"].format_help().split())  # help lines are wrapped
     assert "AIOLOAD_CACHE" in bench and "(default: 20)" in bench and "(default: local,http)" in bench

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("distributed")  # in the test extra: the benchmark's Dask cluster
 
 ROOT = Path(__file__).resolve().parents[1]

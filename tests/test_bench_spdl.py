@@ -19,6 +19,8 @@ import pytest
 
 import aioload
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "spdl_compare.py"
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT = 240  # two processes importing torch on a busy 2-core machine
 
 # Launching ranks takes longer than the default per-test limit on a loaded machine.
-pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+pytestmark = [pytest.mark.timeout(LAUNCH_TIMEOUT + 30), pytest.mark.slow]
 
 
 def free_port() -> int:

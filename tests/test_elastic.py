@@ -18,7 +18,7 @@ import pytest
 from tests.frameworks.elastic_run import BATCH, LATER, SEED, loader_of, datasets
 from tests.frameworks.launch import LAUNCH_TIMEOUT, torchrun
 
-pytestmark = pytest.mark.timeout(5 * LAUNCH_TIMEOUT)
+pytestmark = [pytest.mark.timeout(5 * LAUNCH_TIMEOUT), pytest.mark.slow]
 K = 3  # batches delivered on each rank before the save
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,19 +48,46 @@ def test_examples_use_only_the_public_api():
     ("ddp_train.py", "\n    torchrun --nproc-per-node 2 examples/ddp_train.py --steps 6 --resume ckpt.pt\n"),
     ("remote_images.py", "\n    python examples/remote_images.py --steps 40 --cache disk"),
 ])
-def test_help_keeps_the_docstring_lines(tmp_path, script, kept):
+def test_help_keeps_the_docstring_lines_and_shows_every_default(tmp_path, script, kept):
     out = run_example([str(ROOT / "examples" / script), "--help"], tmp_path, timeout=60)
     assert kept in out
+    options = out.split("\noptions:\n")[1]
+    entries = re.split(r"\n(?=  -)", options.strip("\n"))  # one per option, its help wrapped below it
+    assert len(entries) > 2
+    for entry in entries:
+        if not entry.startswith("  -h, --help"):
+            assert "(default: " in " ".join(entry.split()), entry
 
 
-def test_ddp_example_without_torchrun_runs_as_one_process(tmp_path):
+def run_ddp_alone(args: list[str], tmp_path) -> str:
+    """``examples/ddp_train.py`` started with plain python (no torchrun): a world of one rank."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(AIOLOAD_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, str(ROOT / "examples/ddp_train.py"), "--steps", "2", "--workers", "1",
-                           "--images", "32"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run([sys.executable, str(ROOT / "examples/ddp_train.py"), "--workers", "1", "--images", "32",
+                           *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "not started by torchrun (no RANK in the environment): running as a single process" in done.stdout
-    assert "1 ranks on cpu" in done.stdout and "rank 0 epoch 0 step 2 " in done.stdout
+    return done.stdout
+
+
+def batches_of(out: str) -> dict[int, str]:
+    """step -> the digest of its batch, from the example's step lines."""
+    return {int(step): digest for step, digest in re.findall(r"^rank 0 epoch \d+ step (\d+) batch (\w+) ", out, re.M)}
+
+
+def test_ddp_example_without_torchrun_runs_as_one_process_and_resumes(tmp_path):
+    # 32 images in batches of 8: 4 steps an epoch, so the interrupted run stops mid-epoch 0
+    # and the resumed one finishes it and goes into epoch 1
+    whole = run_ddp_alone(["--steps", "6"], tmp_path)
+    assert "not started by torchrun (no RANK in the environment): running as a single process" in whole
+    assert "\n1 rank on cpu, 32 images, 4 batches per rank and epoch\n" in whole
+    assert sorted(batches_of(whole)) == [1, 2, 3, 4, 5, 6] and "saved" not in whole and "resumed" not in whole
+    first = run_ddp_alone(["--steps", "3", "--checkpoint", "ckpt.pt"], tmp_path)
+    assert first.endswith("saved step 3, epoch 0 to ckpt.pt: --resume ckpt.pt goes on from there\n"), first
+    rest = run_ddp_alone(["--steps", "6", "--resume", "ckpt.pt"], tmp_path)
+    assert "\nresumed from ckpt.pt: step 3, epoch 0\n" in rest
+    resumed = batches_of(rest)
+    assert sorted(resumed) == [4, 5, 6]
+    assert resumed == {step: digest for step, digest in batches_of(whole).items() if step > 3}
 
 
 def _children_of(pid: int) -> list[tuple[int, str]]:
@@ -118,11 +148,24 @@ def test_remote_example_server_ends_when_the_example_is_killed(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_train_async(tmp_path):
-    out = run_example([str(ROOT / "examples/train_async.py"), "--steps", "4", "--workers", "1"], tmp_path)
-    assert "done: 4 steps" in out
+def test_train_async_trains_the_steps_asked_for_across_epochs(tmp_path):
+    # 256 images in batches of 32 make 8 steps per epoch: 12 steps take a second epoch
+    out = run_example([str(ROOT / "examples/train_async.py"), "--steps", "12", "--workers", "1"], tmp_path)
+    assert "done: 12 steps in 2 epochs, loss " in out
     ticks = int(out.split("heartbeat ticked ")[1].split()[0])
     assert ticks > 0, "the event loop kept running during training"
+
+
+def test_remote_example_tells_http_reads_from_cache_hits(tmp_path):
+    # 64 images in batches of 16: 8 steps are two epochs, the first over HTTP, the second from
+    # the memory cache
+    out = run_example([str(ROOT / "examples/remote_images.py"), "--steps", "8", "--workers", "1"], tmp_path)
+    http = re.search(r"^epoch 0 reads: 64 over HTTP, ([\d.]+) ms each on average$", out, re.M)
+    cached = re.search(r"^epoch 1 reads: 64 from the cache, ([\d.]+) ms each on average$", out, re.M)
+    assert http and cached, out
+    assert re.search(r"^reads: 64 over HTTP, [\d.]+ ms each on average; 64 from the cache, [\d.]+ ms each on average$",
+                     out, re.M), out
+    assert "cache: 64 hits, 64 misses, 64 objects" in out
 
 
 def test_benchmark_suite_runs(tmp_path):

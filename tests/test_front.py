@@ -19,6 +19,8 @@ from aioload._iterator import _Iterator
 from tests.conftest import aioload_threads
 from tests.datasets import SlowReads, Squares
 
+pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
+
 PACKAGE = pathlib.Path(aioload.__file__).parent
 FRONT = ("_epoch.py", "_iterator.py", "_inprocess.py", "_compat.py", "_resources.py")
 SUPERSEDED = (r"^this epoch ended because iter\(\) was called on the same DataLoader again: an "

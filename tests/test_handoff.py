@@ -19,6 +19,8 @@ from aioload._handoff.views import SlotView, collate_rows, load_batch, load_rows
 from aioload._handoff.writers import RowWriter, SlotWriter, column_views, move_into_slot
 from aioload._handoff.tree import leaves, map_leaves, map_tensors
 
+pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
+
 Point = namedtuple("Point", "x y")
 
 

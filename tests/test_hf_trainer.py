@@ -13,7 +13,7 @@ import pytest
 
 from tests.frameworks.launch import LAUNCH_TIMEOUT, SCRIPTS, run
 
-pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+pytestmark = [pytest.mark.timeout(LAUNCH_TIMEOUT + 30), pytest.mark.slow]
 
 
 def test_trainer_resumes_the_loader_from_its_checkpoint(tmp_path):

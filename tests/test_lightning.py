@@ -12,7 +12,7 @@ import pytest
 
 from tests.frameworks.launch import LAUNCH_TIMEOUT, SCRIPTS, Ranks, start
 
-pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+pytestmark = [pytest.mark.timeout(LAUNCH_TIMEOUT + 30), pytest.mark.slow]
 
 SAMPLES, BATCH = 40, 4
 CASES = [f"sharding/{built}/{uds}" for built in ("init", "hook") for uds in (True, False)]

@@ -22,7 +22,7 @@ from aioload._sampling import ShardSampler
 from tests.dist_resume import RESUME_CASES
 from tests.test_distributed import LAUNCH_TIMEOUT, ROOT, run_ranks
 
-pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+pytestmark = [pytest.mark.timeout(LAUNCH_TIMEOUT + 30), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

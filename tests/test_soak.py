@@ -22,7 +22,7 @@ from tests.resources import (
     shm_entries, status_kb, wait_until, zombies,
 )
 
-pytestmark = pytest.mark.timeout(110)
+pytestmark = [pytest.mark.timeout(110), pytest.mark.slow]
 
 PARENT_RSS_MARGIN_KB = 24 * 1024
 WORKER_RSS_MARGIN_KB = 12 * 1024
@@ -70,6 +70,17 @@ def assert_no_growth(rows: list, key: str, margin: int) -> None:
     half = len(rows) // 2
     first = max(r[key] for r in rows[1:half])  # epoch 0 warms caches up
     second = max(r[key] for r in rows[half:])
+    assert second <= first + margin, f"{key} keeps growing: {[r[key] for r in rows]}"
+
+
+def assert_floor_flat(rows: list, key: str, margin: int) -> None:
+    """A counted resource that a leak would raise every cycle: the second half's lowest count
+    stays within ``margin`` of the first half's lowest. Transient handles (a replaced pool's
+    sockets closing, a pipe of a process being reaped) raise single readings and are not a
+    leak; one handle lost per cycle raises the floor by half the cycle count."""
+    half = len(rows) // 2
+    first = min(r[key] for r in rows[1:half])
+    second = min(r[key] for r in rows[half:])
     assert second <= first + margin, f"{key} keeps growing: {[r[key] for r in rows]}"
 
 
@@ -146,11 +157,14 @@ def test_crash_and_skip_cycles_do_not_accumulate(tmp_path):
             assert seen == [i for i in range(n) if i not in (20, 41)]
             assert loader.stats().worker_restarts == cycle + 1
             wait_until(lambda: not aioload_threads(), 5, "the engine thread to end")
+            gc.collect()  # the lost pool's objects, and the handles they hold, are garbage now
             record(rows)
     assert all(r["children"] == 2 and r["zombies"] == 0 for r in rows)
     assert all(r["shm"] == before.shm for r in rows)
     assert_no_growth(rows, "rss", PARENT_RSS_MARGIN_KB)
-    assert_no_growth(rows, "fds", 2)
+    # Each cycle replaces a crashed pool, whose sockets and pipes close as the pool object is
+    # collected and its processes reaped: single readings jitter by a few, so the floor counts.
+    assert_floor_flat(rows, "fds", 2)
     assert_no_growth(rows, "slot_fds", 2)
     assert_released(before)
 

@@ -28,6 +28,8 @@ from aioload._observe.stats import StatsRecorder
 from aioload._engine.stuck import InFlight, StuckReport
 from aioload._workers.wire import Reader, encode, send_blocking
 
+pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
+
 
 class Reads(aioload.Dataset):
     """Reads that count how many run at once, and fail, hang or return a lock on demand."""

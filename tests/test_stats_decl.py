@@ -10,6 +10,8 @@ import pytest
 
 from aioload._observe.stats import COUNTER, DERIVED, GAUGE, STATS, LoaderStats, StatsRecorder, stats_table
 
+pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
+
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "stats.md"
 SOURCES = {"recorder", "clock", "cpu", "latency", "loader"}
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.frameworks.launch import LAUNCH_TIMEOUT, torchrun
 
-pytestmark = pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 30)
+pytestmark = [pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 30), pytest.mark.slow]
 
 
 def test_rank_zeros_state_resumes_both_ranks_exactly(tmp_path):

@@ -20,6 +20,8 @@ from aioload._plan.elastic import Segment, remainder, rest_of_epoch
 from aioload._seeding import derive_seed
 from tests.test_unit_sampling import make_planner, ranks  # noqa: F401 - ranks is a fixture
 
+pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
+
 LENGTH, BATCH = 48, 2
 
 
@@ -172,3 +174,33 @@ def test_rest_of_epoch_applies_segments_in_turn():
     rest = rest_of_epoch(12, [Segment(4, 1), Segment(2, 2)], deal_for)
     # 4 ranks deliver positions 0-3; the rest (4..11) on 2 ranks: rank 0 4 6 8 10, rank 1 5 7 9 11
     assert rest.tolist() == [8, 9, 10, 11]
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset that shards itself by rank, as torch asks of one."""
+
+    def __iter__(self):
+        import torch.distributed as dist
+
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return iter(range(rank, 12, world))
+
+
+def test_an_iterable_datasets_position_restarts_its_epoch_on_the_new_world(ranks):
+    import aioload
+    from aioload._resume import ResumeWarning
+
+    ranks(1, 2)
+    with aioload.DataLoader(Stream(), batch_size=2) as loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+        del it
+    assert state["progress"]["inexact"] is not None and state["config"]["world_size"] is None
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    with aioload.DataLoader(Stream(), batch_size=2) as loader:
+        with pytest.warns(ResumeWarning, match="resumes epoch 0 from its start"):
+            loader.load_state_dict(state)
+        assert [b.tolist() for b in loader] == [[i, i + 1] for i in range(0, 12, 2)]  # one process: all of it

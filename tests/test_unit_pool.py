@@ -28,6 +28,8 @@ from aioload._errors import WorkerCrashedError, pack_exception
 from aioload._workers.messages import Done, InitError, StartEpoch, Task, WorkerReady
 from aioload._workers.pool import PER_WORKER_TASKS, PoolSession, batches_in_flight
 
+pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
+
 HANG_GUARD = 10  # seconds; nothing here waits on time, this only stops a hang
 
 

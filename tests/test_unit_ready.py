@@ -18,6 +18,8 @@ import pytest
 
 from aioload._engine.ready import SKIP, Delivered, EndOfEpoch, ReadyQueue
 
+pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
+
 HANG_GUARD = 10  # seconds; only stops a hang
 
 

@@ -23,6 +23,8 @@ from torch.utils.data.distributed import DistributedSampler
 from aioload._sampling import Planner, ShardByRank, ShardSampler, distributed_rank, shard_sampler
 from aioload._seeding import derive_seed
 
+pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
+
 
 # ----------------------------------------------------------------------------- helpers
 def make_planner(length=10, batch_size=3, *, shuffle=False, drop_last=False, seed=None, generator=None,

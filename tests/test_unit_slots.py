@@ -16,6 +16,8 @@ import pytest
 from aioload._handoff.layout import Layout, LeafSpec
 from aioload._handoff.slots import SlotPool
 
+pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
+
 ROWS = 8
 LEAF = LeafSpec("t", "torch.int64", (4,))  # 32 bytes a row
 

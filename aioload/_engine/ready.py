@@ -16,7 +16,10 @@ import threading
 import time
 
 SKIP = object()
-"""A sequence number that yields no batch (an IterableDataset worker that ran out)."""
+"""What a sequence number holds when it yields no batch: an IterableDataset worker that ran
+out, a batch whose every sample was skipped (``on_error="skip"``) or that had no samples to
+read, an executor batch that came back empty. The consumer never sees it; its permit goes back
+to the sampler at once."""
 
 
 class EndOfEpoch(Exception):

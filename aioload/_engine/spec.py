@@ -14,7 +14,8 @@ from aioload._handoff.slots import SlotPool
 
 @dataclass
 class Spec:
-    """What the engine needs from the loader; fixed when the loader is built."""
+    """What the engine needs from the loader for one epoch: made by the loader when the epoch
+    starts (``DataLoader._spec``), from its settings and its pool as they are then."""
 
     dataset: Any
     split: bool
@@ -23,7 +24,7 @@ class Spec:
     num_workers: int
     io_concurrency: int
     permits: int  # batches in flight plus queue_depth
-    permits_quick: int  # ``permits`` once batches are known to be quick (see _pool.batches_in_flight)
+    permits_quick: int  # ``permits`` once batches are known to be quick (see aioload._workers.pool.batches_in_flight)
     in_order: bool
     on_error: str
     pin: bool
@@ -103,7 +104,7 @@ class Shared:
     slots: SlotPool | None = None
     per_sample_s: float | None = None
     holds: set = field(default_factory=set)
-    chunked: bool | None = None  # rows collated by chunk in the workers (see _chunks)
+    chunked: bool | None = None  # rows collated by chunk in the workers (see aioload._handoff.chunks)
     quick: bool = False  # a batch goes to one worker whole and decodes within WHOLE_BATCH_SECONDS
 
 

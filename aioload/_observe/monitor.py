@@ -3,6 +3,11 @@
 Both are driven from the consumer's thread, once per delivered batch, and cost one clock read
 per batch until a log line or a bar refresh is due.
 
+``progress=True`` draws a tqdm bar where one can be drawn: on a terminal, or in a notebook
+(whose output cells redraw tqdm's lines). Elsewhere (stderr sent to a file, a pipe, a job
+scheduler's log) a bar would write every frame into the file, so progress is plain lines
+instead: one every :data:`LINE_EVERY_S` seconds during an epoch and one when it ends.
+
 Log lines go to the ``"aioload"`` logger at level INFO. A program that has not configured
 logging (no handler on that logger or its ancestors: Python would drop INFO lines, or show
 only warnings) still sees them: each is then written to stderr, with its time. A program that
@@ -23,6 +28,9 @@ logger = logging.getLogger("aioload")
 
 POSTFIX_EVERY_S = 1.0
 """How often the progress bar's throughput and waiting figures are refreshed."""
+
+LINE_EVERY_S = 60.0
+"""Away from a terminal, how often a progress line is written during an epoch."""
 
 TQDM_MISSING = "progress=True needs tqdm, which is not installed: pip install tqdm"
 
@@ -58,6 +66,49 @@ def _quiet_bar(tqdm):
     return Bar
 
 
+def draws_bars(stream) -> bool:
+    """A live bar suits ``stream``: a terminal, or a Jupyter kernel's output stream."""
+    if type(stream).__module__.startswith("ipykernel"):
+        return True
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or closed
+        return False
+
+
+class ProgressLines:
+    """Progress as plain lines, for a stream that is not a terminal: the part of tqdm's
+    interface that :class:`Monitor` uses (``update``, ``set_postfix_str``, ``close``)."""
+
+    def __init__(self, stream, total: int | None, desc: str, every_s: float = LINE_EVERY_S):
+        self._stream, self._total, self._desc, self._every_s = stream, total, desc, every_s
+        self.n = 0
+        self._postfix = ""
+        self._start = self._last = time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.perf_counter()
+        if now - self._last >= self._every_s:
+            self._last = now
+            self._write(now, "after ")
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        self._postfix = text
+
+    def close(self) -> None:
+        self._write(time.perf_counter(), "in ")
+
+    def _write(self, now: float, how: str) -> None:
+        count = f"{self.n}/{self._total}" if self._total is not None else f"{self.n}"
+        postfix = f", {self._postfix}" if self._postfix else ""
+        try:
+            print(f"{self._desc}: {count} batches {how}{now - self._start:.1f} s{postfix}", file=self._stream,
+                  flush=True)
+        except (ValueError, OSError):  # the stream was closed: progress is not worth an error
+            pass
+
+
 class Monitor:
     """Per-loader: logs a line every ``log_every`` seconds and keeps one bar per epoch.
 
@@ -77,7 +128,11 @@ class Monitor:
     def begin_epoch(self, epoch: int, total: int | None) -> None:
         self.end_epoch()
         if self._progress:
-            self._bar = _tqdm()(total=total, desc=f"epoch {epoch}", unit="batch", dynamic_ncols=True)
+            stream = sys.stderr
+            if draws_bars(stream):
+                self._bar = _tqdm()(total=total, desc=f"epoch {epoch}", unit="batch", dynamic_ncols=True, file=stream)
+            else:
+                self._bar = ProgressLines(stream, total, f"epoch {epoch}")
         if self._log_every is not None and self._last_log is None:
             self._last_log = time.perf_counter()
             self._last_stats = self._stats()

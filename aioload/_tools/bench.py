@@ -95,7 +95,7 @@ def memory_mb() -> float:
 
 
 def shm_used_mb() -> float:
-    """Bytes in use on /dev/shm (files unlinked but still open count too)."""
+    """MB in use on /dev/shm, by every program (files unlinked but still open count too)."""
     try:
         return shutil.disk_usage("/dev/shm").used / 2**20
     except OSError:
@@ -105,7 +105,8 @@ def shm_used_mb() -> float:
 @dataclass
 class Run:
     """One epoch of one loader. ``rate`` and ``wait_s`` cover the steady state: from the first
-    batch to the last (the first batch's wait is ``first_batch_s``)."""
+    batch to the last (the first batch's wait is ``first_batch_s``). ``shm_mb`` is the peak of
+    /dev/shm in use above what was in use before the loader was made."""
 
     name: str
     images: int
@@ -151,10 +152,12 @@ def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: 
     after each batch (a sleep: the GIL is released, as while a GPU works); ``bar`` (a tqdm
     bar, say) gets ``update(1)`` per batch."""
     gc.collect()
+    shm_before = shm_used_mb()  # other programs' files on a shared machine are not this loader's
     loader = make_loader()
     images = batches = 0
     waited = 0.0
-    peak_mem = peak_shm = 0.0
+    peak_mem = 0.0
+    peak_shm = shm_before
     cpu0 = time.process_time()
     # Reading memory figures (tens of ms for the PSS of a few processes) is not the loader's
     # work: its CPU and its wall time are left out. Meanwhile the loader fills its prefetch
@@ -208,7 +211,8 @@ def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: 
             close()
         del loader
         gc.collect()
-    return Run(name, images, seconds, first or 0.0, cpu, peak_mem, peak_shm, stats, waited, batches)
+    return Run(name, images, seconds, first or 0.0, cpu, peak_mem, max(0.0, peak_shm - shm_before), stats, waited,
+               batches)
 
 
 def _timed(work: Callable, share, start, queue) -> None:

@@ -67,6 +67,20 @@ def _write_range(args) -> None:
         _write(root, classes, seed, i)
 
 
+class _Report:
+    """``generated k/n images`` on stderr as the folder fills, at most once per tenth of it:
+    lines, not a bar, so that a log or a pipe gets ten of them at most, as a terminal does."""
+
+    def __init__(self, images: int, quiet: bool):
+        self.images, self.quiet, self.shown = images, quiet, 0
+
+    def __call__(self, done: int) -> None:
+        tenth = done * 10 // self.images
+        if not self.quiet and tenth > self.shown:
+            self.shown = tenth
+            print(f"  generated {done}/{self.images} images", file=sys.stderr, flush=True)
+
+
 def default_root(images: int = DEFAULT_IMAGES, classes: int = DEFAULT_CLASSES, seed: int = 0) -> Path:
     """Where :func:`make_data` puts a folder when it is given none: in :func:`cache_dir`."""
     return cache_dir() / f"imagenet-like-{images}-{classes}-s{seed}"
@@ -115,17 +129,16 @@ def make_image_folder(root: str | os.PathLike | None = None, images: int = DEFAU
         (root / f"class_{c:03d}").mkdir(parents=True, exist_ok=True)
     step = 256
     ranges = [(root, classes, seed, lo, min(lo + step, images)) for lo in range(0, images, step)]
+    report = _Report(images, quiet)
     if processes > 1:
         import multiprocessing as mp
 
         with mp.get_context("fork").Pool(processes) as pool:
             for done, _ in enumerate(pool.imap_unordered(_write_range, ranges), 1):
-                if not quiet:
-                    print(f"  generated {min(done * step, images)}/{images} images", file=sys.stderr, flush=True)
+                report(min(done * step, images))
     else:
         for args in ranges:
             _write_range(args)
-            if not quiet:
-                print(f"  generated {args[4]}/{images} images", file=sys.stderr, flush=True)
+            report(args[4])
     marker.touch()
     return root
