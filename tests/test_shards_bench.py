@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "shards.py"
+pytestmark = pytest.mark.slow
 
 
 def positive(value) -> bool:

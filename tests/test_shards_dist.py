@@ -19,7 +19,7 @@ from tests.frameworks.shards_run import BATCH, K, SEED
 from tests.httpserver import Server
 from tests.shards_data import image_samples, write_webdataset
 
-pytestmark = pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
+pytestmark = [pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60), pytest.mark.slow]
 WORLD = 2
 
 

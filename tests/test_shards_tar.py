@@ -21,6 +21,8 @@ import torch
 from aioload._shards import order, tar, urls
 from aioload._shards.index import ShardError, ShardIndex, _index_local, index_archive
 
+pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
+
 
 def archive(members: list[tuple[str, bytes]], fmt=tarfile.PAX_FORMAT, mtime: float = 0) -> bytes:
     buf = io.BytesIO()
