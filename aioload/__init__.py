@@ -13,6 +13,10 @@ from aioload._media.video import VideoFiles, VideoFolder
 from aioload._mix.dataset import Mix
 from aioload._storage.retry import RemoteReadError, RetryPolicy
 from aioload._observe.stats import LoaderStats
+from aioload._shards.dataset import WebDataset
+from aioload._shards.decoders import decode_sample
+from aioload._shards.index import ShardError
+from aioload._shards.writer import ShardWriter
 from aioload._storage.storage import Storage, read_bytes, read_range
 from aioload._strings import StringList
 from aioload._tools.synth import make_data
@@ -51,16 +55,20 @@ __all__ = [
     "Mix",
     "RemoteReadError",
     "RetryPolicy",
+    "ShardError",
+    "ShardWriter",
     "Storage",
     "StringList",
     "TooManyErrorsError",
     "VideoFiles",
     "VideoFolder",
+    "WebDataset",
     "WorkerCrashedError",
     "count_clips",
     "decode_audio",
     "decode_clip",
     "decode_image",
+    "decode_sample",
     "make_data",
     "make_videos",
     "read_bytes",

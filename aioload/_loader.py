@@ -43,7 +43,7 @@ from aioload._resources import _LIVE, _Resources, _finalize_loader
 from aioload._sampling import EpochProgress, Planner, shard_sampler
 from aioload._seeding import derive_seed
 from aioload._engine.spec import Plan, Spec
-from aioload._observe.stats import LoaderStats, StatsRecorder
+from aioload._observe.stats import LoaderStats, StatsRecorder, dataset_figures
 from aioload._observe.tune import check_knob, is_auto, make_tuner
 from aioload._workers.worker import WorkerConfig, _batched_fetch
 
@@ -213,6 +213,7 @@ class DataLoader(Generic[_T_co]):
         # epoch holds, its engine and queue, must not outlive its iterator).
         self._running: weakref.ref[EpochContext] | None = None
         self._stats = StatsRecorder()
+        self._dataset_base = dataset_figures(dataset)  # a dataset's own counters count from here
         self._tuner = make_tuner(io_concurrency, self.queue_depth, self._torch.batch_size, num_workers,
                                  default_depth, reads=is_split(dataset))
         self._monitor = None
@@ -385,6 +386,7 @@ class DataLoader(Generic[_T_co]):
             if self._progress is not None:
                 tally.settle(self._progress.delivered)
             gauges["per_source"] = tally.figures()
+        gauges.update(dataset_figures(self.dataset, self._dataset_base))
         return self._stats.snapshot(**gauges)
 
     def _limits(self) -> tuple[int, int]:

@@ -53,7 +53,8 @@ SPARE_CPUS = 0.75
 
 CATEGORIES = (
     "no-batches", "starting", "not-data-bound", "in-process", "decode-bound", "too-many-workers",
-    "cpu-contention", "decode-blocked", "read-bound", "executor-saturated", "executor-underused", "unexplained",
+    "cpu-contention", "decode-blocked", "shard-bound", "read-bound", "executor-saturated", "executor-underused",
+    "unexplained",
 )
 """Every value of :attr:`LoaderStats.verdict_category` (see ``docs/stats.md``)."""
 
@@ -168,6 +169,23 @@ class LoaderStats:
         "ms", "loader"))
     task_p99_ms: float = field(default=0.0, metadata=_stat(
         GAUGE, "with `executor=`: a task's 99th percentile round trip", "ms", "loader"))
+    shard_mode: str = field(default="", metadata=_stat(
+        GAUGE, "with `aioload.WebDataset`: how it reads, `\"uniform\"` (a range request per sample) or "
+               "`\"window\"` (whole shards)", "", "loader"))
+    shard_fetches: int = field(default=0, metadata=_stat(
+        COUNTER, "window mode: whole shards fetched", "shards", "loader"))
+    shard_fetch_bytes: int = field(default=0, metadata=_stat(
+        COUNTER, "window mode: the bytes of those shards", "bytes", "loader"))
+    shard_window_reads: int = field(default=0, metadata=_stat(
+        COUNTER, "window mode: reads served from a fetched shard (no request of their own)", "reads", "loader"))
+    shard_fetch_wait_s: float = field(default=0.0, metadata=_stat(
+        COUNTER, "window mode: seconds reads spent waiting for their shard to arrive, summed over reads", "s",
+        "loader"))
+    shard_window_bytes: int = field(default=0, metadata=_stat(
+        GAUGE, "window mode: the bytes of the shards held now", "bytes", "loader"))
+    shard_window_peak_bytes: int = field(default=0, metadata=_stat(
+        GAUGE, "window mode: the most bytes of shards held at once in the epoch in progress (or the last one)",
+        "bytes", "loader"))
     first_batch_samples: int = field(default=0, metadata=_stat(
         COUNTER, "the samples of each epoch's first batch", "samples", "recorder"))
     cpu_window_s: float = field(default=0.0, metadata=_stat(
@@ -203,6 +221,15 @@ class LoaderStats:
     decode_ms_per_sample: float = field(init=False, metadata=_stat(
         DERIVED, "`decode_s / decoded`", "ms",
         formula=lambda s: s.decode_s / s.decoded * 1e3 if s.decoded else 0.0))
+    requests_per_sample: float = field(init=False, metadata=_stat(
+        DERIVED, "storage requests per sample delivered: `shard_fetches / samples` in window mode, else "
+                 "`reads / samples`", "requests",
+        formula=lambda s: (s.shard_fetches if s.shard_mode == "window" else s.reads) / s.samples if s.samples else 0.0))
+    bytes_per_sample: float = field(init=False, metadata=_stat(
+        DERIVED, "bytes from storage per sample delivered: `shard_fetch_bytes / samples` in window mode, else "
+                 "`bytes_read / samples`", "bytes",
+        formula=lambda s: ((s.shard_fetch_bytes if s.shard_mode == "window" else s.bytes_read) / s.samples
+                           if s.samples else 0.0)))
     mean_reads_in_flight: float = field(init=False, metadata=_stat(
         DERIVED, "`read_s / elapsed_s` (Little's law)", "reads",
         formula=lambda s: s.read_s / s.elapsed_s if s.elapsed_s > 0 else 0.0))
@@ -307,6 +334,9 @@ def diagnose(s: LoaderStats) -> tuple[str, str]:
         return category, head + text
     if s.decode_busy >= SATURATED:
         return "decode-bound", head + _decode_bound(s)
+    shard = _shard_bound(s)
+    if shard is not None:
+        return "shard-bound", head + shard
     if s.io_concurrency and s.mean_reads_in_flight >= SATURATED * s.io_concurrency:
         return "read-bound", head + (f"reads are saturated ({s.mean_reads_in_flight:.0f} of {s.io_concurrency} in "
                                      f"flight, p50 {s.read_p50_ms:.1f} ms), raise io_concurrency")
@@ -315,6 +345,39 @@ def diagnose(s: LoaderStats) -> tuple[str, str]:
     if s.cpu_window_s > 0 and s.others_cpus >= OTHERS_CPUS:
         text += f"; other programs used {s.others_cpus:.2f} CPUs ({s.cpu_evidence})"
     return "unexplained", head + text + ": no setting is advised from these figures"
+
+
+SHARD_WAITING = 1.0
+"""Window mode is "shard-bound" when at least this many reads waited for a shard on average."""
+
+
+def _shard_bound(s: LoaderStats) -> str | None:
+    """With an ``aioload.WebDataset``: the shard stage's sentence when it is the limit."""
+    if s.shard_mode == "window" and s.elapsed_s > 0 and s.shard_fetch_wait_s / s.elapsed_s >= SHARD_WAITING:
+        each = _bytes(s.shard_fetch_bytes / s.shard_fetches) if s.shard_fetches else "?"
+        return (f"reads waited for whole-shard fetches ({s.shard_fetch_wait_s / s.elapsed_s:.1f} reads waiting on "
+                f"average; {s.shard_fetches} shards fetched, {each} each): fetch more shards ahead "
+                "(WebDataset(fetch_ahead=...)), or read samples by range (window=None) if the store is slow per byte")
+    if (s.shard_mode == "uniform" and s.io_concurrency
+            and s.mean_reads_in_flight >= SATURATED * s.io_concurrency):
+        return (f"range reads of shard samples are saturated ({s.mean_reads_in_flight:.0f} of {s.io_concurrency} in "
+                f"flight, p50 {s.read_p50_ms:.1f} ms, {s.requests_per_sample:.2f} requests per sample): raise "
+                "io_concurrency, or fetch whole shards (WebDataset(window=k): one request per shard)")
+    return None
+
+
+def dataset_figures(dataset, since: dict | None = None) -> dict:
+    """The statistics a dataset reports of its own I/O (``aioload.WebDataset.io_figures``),
+    its counters less those in ``since`` (what it had counted when the loader was made: a
+    dataset may feed several loaders in turn)."""
+    figures = getattr(dataset, "io_figures", None)
+    found = dict(figures()) if callable(figures) else {}
+    if since:
+        for name, value in found.items():
+            stat = STATS.get(name)
+            if stat is not None and stat.kind == COUNTER and name in since:
+                found[name] = value - since[name]
+    return found
 
 
 def _executor_bound(s: LoaderStats) -> tuple[str, str]:
@@ -400,6 +463,7 @@ def format_stats(stats: LoaderStats) -> str:
                   f"{s.reads_in_flight} now, limit {s.io_concurrency}"),
         ("decode", f"{s.decode_ms_per_sample:.3f} ms/sample, {s.num_workers} workers {s.decode_busy:.0%} busy, "
                    f"on a CPU {s.decode_cpu_share:.0%} of that time"),
+        *([("shards", _shard_row(s))] if s.shard_mode else []),
         ("queue", f"{s.queue_occupancy} batches ready, queue_depth {s.queue_depth}"),
         *([("executor", f"{s.executor}: {s.executor_tasks} tasks, round trip p50 {s.task_p50_ms:.1f} ms, "
                         f"p99 {s.task_p99_ms:.1f} ms, {_bytes(s.executor_bytes / max(1, s.executor_tasks))} "
@@ -412,6 +476,15 @@ def format_stats(stats: LoaderStats) -> str:
     ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {text}" for label, text in rows)
+
+
+def _shard_row(s: LoaderStats) -> str:
+    text = (f"{s.shard_mode} mode: {s.requests_per_sample:.3f} requests and {_bytes(s.bytes_per_sample)} from "
+            "storage per sample")
+    if s.shard_mode == "window":
+        text += (f"; {s.shard_fetches} shards fetched, {_bytes(s.shard_window_bytes)} held now, "
+                 f"{_bytes(s.shard_window_peak_bytes)} at the peak; reads waited {s.shard_fetch_wait_s:.2f} s for them")
+    return text
 
 
 def _percentile(values: list[float], q: float) -> float:

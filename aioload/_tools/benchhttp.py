@@ -26,20 +26,30 @@ SERVER = Path(__file__).resolve().parent / "benchserver.py"
 
 
 class Server:
-    """The server process for ``root`` with a round trip of ``latency_ms``; ``close()`` (or
-    leaving the ``with`` block, by Ctrl-C too) stops it, and it stops by itself when this
-    process dies or after ``max_seconds``."""
+    """The server process for ``root`` with a round trip of ``latency_ms`` (each body paced to
+    ``mb_per_s``; 0: unpaced); ``close()`` (or leaving the ``with`` block, by Ctrl-C too) stops
+    it, and it stops by itself when this process dies or after ``max_seconds``."""
 
-    def __init__(self, root: str | os.PathLike, latency_ms: float, max_seconds: float = 6 * 3600):
+    def __init__(self, root: str | os.PathLike, latency_ms: float, max_seconds: float = 6 * 3600,
+                 mb_per_s: float = 0.0):
         self.proc = subprocess.Popen(
             [sys.executable, str(SERVER), str(root), "--latency-ms", str(latency_ms),
-             "--max-seconds", str(max_seconds), "--parent", str(os.getpid())],
+             "--max-seconds", str(max_seconds), "--parent", str(os.getpid()), "--mb-per-s", str(mb_per_s)],
             stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("port "):
             self.close()
             raise RuntimeError(f"the bench's HTTP server did not start: {line!r}")
         self.base = f"http://127.0.0.1:{int(line.split()[1])}/"
+
+    def requests(self) -> int:
+        """How many requests for files the server has answered so far (GET and HEAD)."""
+        import urllib.request
+
+        from aioload._tools.benchserver import COUNT_PATH
+
+        with urllib.request.urlopen(self.base + COUNT_PATH, timeout=30) as response:
+            return int(response.read())
 
     def close(self) -> None:
         proc = self.proc

@@ -6,6 +6,11 @@ library. Each connection has its own thread and each request sleeps the round tr
 is answered, so concurrent requests overlap as they do against a remote store. Only the files
 found under ROOT at start are served (no path outside it can be asked for). The process exits
 on SIGTERM or Ctrl-C, when its parent dies (even by SIGKILL), and after ``--max-seconds``.
+
+``Range: bytes=a-b`` is answered ``206`` with that part (as object stores do), ``HEAD`` with
+the headers alone; ``--mb-per-s`` paces each response's body to that rate (a store's
+per-connection bandwidth; 0, the default: as fast as the socket takes it). ``GET
+/__requests__`` answers how many requests for files it has had (for requests per sample).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import re
 import signal
 import sys
 import threading
@@ -43,23 +49,87 @@ def die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+_RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
+_PACE_CHUNK = 1 << 16
+COUNT_PATH = "__requests__"
+
+
+class _Count:
+    def __init__(self):
+        self.value = 0
+        self.lock = threading.Lock()
+
+    def add(self) -> None:
+        with self.lock:
+            self.value += 1
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: a client may reuse its connections
     files: dict[str, Path] = {}
     latency_s = 0.0
+    bytes_per_s = 0.0  # 0: unpaced
+    count = _Count()
 
     def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+        if urlsplit(self.path).path == "/" + COUNT_PATH:
+            data = str(self.count.value).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        self._answer(body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._answer(body=False)
+
+    def _answer(self, body: bool) -> None:
+        self.count.add()
         path = self.files.get(unquote(urlsplit(self.path).path).lstrip("/"))
         time.sleep(self.latency_s)
         if path is None:
             self.send_error(404)
             return
-        data = path.read_bytes()
-        self.send_response(200)
-        self.send_header("Content-Type", "image/jpeg")
-        self.send_header("Content-Length", str(len(data)))
+        size = path.stat().st_size
+        start, end, status = 0, size, 200
+        asked = self.headers.get("Range")
+        match = _RANGE.match(asked.strip()) if asked else None
+        if match is not None:
+            start = int(match.group(1))
+            end = min(size, int(match.group(2)) + 1) if match.group(2) else size
+            if start >= size:
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{size}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            status = 206
+        self.send_response(status)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", f'"{path.stat().st_mtime_ns:x}-{size:x}"')
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         self.end_headers()
-        self.wfile.write(data)
+        if body:
+            with open(path, "rb") as f:
+                f.seek(start)
+                self._send(f.read(end - start))
+
+    def _send(self, data: bytes) -> None:
+        if not self.bytes_per_s:
+            self.wfile.write(data)
+            return
+        began = time.perf_counter()
+        view = memoryview(data)
+        for pos in range(0, len(view), _PACE_CHUNK):
+            self.wfile.write(view[pos:pos + _PACE_CHUNK])
+            due = began + (pos + _PACE_CHUNK) / self.bytes_per_s
+            delay = due - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
 
     def log_message(self, format, *args) -> None:  # noqa: A002 - quiet: no line per request
         pass
@@ -75,11 +145,12 @@ class _Server(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
-def serve(root: str, latency_ms: float, max_seconds: float, parent: int) -> None:
+def serve(root: str, latency_ms: float, max_seconds: float, parent: int, mb_per_s: float = 0.0) -> None:
     die_with_parent(parent)
     base = Path(root)
     files = {p.relative_to(base).as_posix(): p for p in sorted(base.rglob("*")) if p.is_file()}
-    handler = type("Handler", (_Handler,), {"files": files, "latency_s": latency_ms / 1000.0})
+    handler = type("Handler", (_Handler,), {"files": files, "latency_s": latency_ms / 1000.0,
+                                            "bytes_per_s": mb_per_s * 1e6, "count": _Count()})
     server = _Server(("127.0.0.1", 0), handler)
     print(f"port {server.server_address[1]}", flush=True)
     timer = threading.Timer(max_seconds, server.shutdown)
@@ -99,9 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("root")
     p.add_argument("--latency-ms", type=float, default=20.0)
     p.add_argument("--max-seconds", type=float, default=6 * 3600)
+    p.add_argument("--mb-per-s", type=float, default=0.0)
     p.add_argument("--parent", type=int, default=os.getppid())
     args = p.parse_args(argv)
-    serve(args.root, args.latency_ms, args.max_seconds, args.parent)
+    serve(args.root, args.latency_ms, args.max_seconds, args.parent, args.mb_per_s)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The aioload command line: ``aioload bench`` (aioload against torch's DataLoader, on local
-files and over HTTP) and ``aioload make-data DIR`` (a folder of synthetic ImageNet-like JPEGs to
-try a loader on). ``aioload --help`` lists the commands from their parsers' ``help``.
+files and over HTTP), ``aioload make-data DIR`` (a folder of synthetic ImageNet-like JPEGs to
+try a loader on), ``aioload make-shards SRC DEST`` (a class-per-folder tree as WebDataset tar
+shards, with their indexes) and ``aioload index URLS`` (index sidecars for shards written by
+other tools). ``aioload --help`` lists the commands from their parsers' ``help``.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 
-DESCRIPTION = ("The aioload command line: measure aioload against torch's DataLoader, and make data to try a\n"
-               "loader on. aioload COMMAND --help lists a command's options.")
+DESCRIPTION = ("The aioload command line: measure aioload against torch's DataLoader, make data to try a\n"
+               "loader on, write and index WebDataset tar shards. aioload COMMAND --help lists a command's\n"
+               "options.")
 
 EPILOG = """\
 environment:
   AIOLOAD_CACHE   where generated data is kept (default: ~/.cache/aioload); aioload bench
-                  and the examples make their images there once and reuse them
+                  and the examples make their images there once and reuse them, and
+                  aioload.WebDataset keeps its shard indexes there (shard-index/)
 """
 
 SCENARIOS = {"local": "local folder", "http": "HTTP, {latency:g} ms round trip"}
@@ -287,6 +291,65 @@ def make_data_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _storage_options(text: str | None) -> dict:
+    import json
+
+    if text is None:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError as exc:
+        raise SystemExit(f"error: --storage-options is not JSON: {exc}") from None
+    if not isinstance(options, dict):
+        raise SystemExit("error: --storage-options must be a JSON object, such as '{\"anon\": true}'")
+    return options
+
+
+def make_shards_command(args: argparse.Namespace) -> int:
+    from aioload._shards.writer import convert_folder, folder_samples
+
+    options = _storage_options(args.storage_options)
+    total = len(folder_samples(args.src, options)[1])
+    bar = None
+    if sys.stderr.isatty():  # a bar on a terminal; a log or a pipe gets the summary alone
+        from aioload._observe.monitor import _tqdm
+
+        bar = _tqdm()(total=total, desc="  writing shards", unit="img", file=sys.stderr, dynamic_ncols=True)
+    try:
+        writer = convert_folder(args.src, args.dest, name=args.name, maxcount=args.maxcount, maxsize=args.maxsize,
+                                shuffle_seed=args.shuffle, storage_options=options,
+                                progress=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    print(f"{writer.total} samples in {len(writer.urls)} shards: {writer.urls[0]} ... {writer.urls[-1]}"
+          if writer.urls else "no samples written")
+    return 0
+
+
+def index_command(args: argparse.Namespace) -> int:
+    from aioload._shards.index import IndexCache, Indexer, default_cache_folder
+    from aioload._shards.urls import shard_urls
+    from aioload._shards.writer import write_sidecar
+    from aioload._storage.scope import run_blocking
+    from aioload._storage.storage import Storage, locate
+
+    options = _storage_options(args.storage_options)
+    storage = Storage(storage_options=options)
+    urls = shard_urls(args.urls)
+    indexed = run_blocking(lambda: Indexer(storage, IndexCache(default_cache_folder())).all(urls))
+    for shard in indexed:
+        faults = f", {len(shard.index.faults)} unreadable" if shard.index.faults else ""
+        if shard.source == "sidecar":
+            done = "its sidecar is up to date"
+        elif locate(shard.url)[0] == "http" or args.cache_only:
+            done = "indexed into the local cache only" + (" (HTTP takes no uploads)" if not args.cache_only else "")
+        else:
+            done = f"wrote {write_sidecar(shard.url, shard.index, options)}"
+        print(f"{shard.url}: {len(shard.index)} samples{faults}; {done}")
+    return 0
+
+
 def _scenarios(text: str) -> list[str]:
     chosen = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [c for c in chosen if c not in SCENARIOS]
@@ -358,6 +421,32 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--images", type=int, default=1024, help="how many images (default: %(default)s)")
     m.add_argument("--classes", type=int, default=8, help="how many class folders (default: %(default)s)")
     m.add_argument("--seed", type=int, default=0, help="the seed that picks every image (default: %(default)s)")
+    s = sub.add_parser("make-shards", help="write a class-per-folder tree as WebDataset tar shards",
+                       epilog=EPILOG, formatter_class=help_fmt,
+                       description="Write the images of SRC (a class-per-folder tree, as ImageFolder reads it; a\n"
+                                   "local folder or an fsspec URL) into DEST/NAME-000000.tar, ... with an index\n"
+                                   "sidecar beside each shard. One sample per image: key CLASS/FILE, the image\n"
+                                   "under its extension and its class index as 'cls'. Shards are class-sorted\n"
+                                   "(ImageFolder's order) unless --shuffle. Read them with aioload.WebDataset.")
+    s.add_argument("src", metavar="SRC", help="the class-per-folder tree")
+    s.add_argument("dest", metavar="DEST", help="the folder (or fsspec URL) to write the shards into")
+    s.add_argument("--name", default="train", help="the shards' name before the number (default: %(default)s)")
+    s.add_argument("--maxcount", type=int, default=1000, help="samples per shard at most (default: %(default)s)")
+    s.add_argument("--maxsize", type=float, default=3e9,
+                   help="member bytes per shard before a new one starts (default: %(default)g)")
+    s.add_argument("--shuffle", type=int, metavar="SEED", default=None,
+                   help="shuffle the samples with this seed before writing (default: class by class)")
+    s.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DEST, as a JSON object")
+    x = sub.add_parser("index", help="write index sidecars for WebDataset tar shards", epilog=EPILOG,
+                       formatter_class=help_fmt,
+                       description="Index each shard (the byte range of every sample) and write the index beside\n"
+                                   "it as SHARD.index.json, so that aioload.WebDataset does not read the shard to\n"
+                                   "index it. URLS are paths, fsspec URLs or brace patterns\n"
+                                   "('s3://bucket/train-{000000..000999}.tar'). HTTP shards, and every shard with\n"
+                                   "--cache-only, are indexed into the local cache ($AIOLOAD_CACHE) instead.")
+    x.add_argument("urls", metavar="URLS", nargs="+", help="shards: paths, URLs or brace patterns")
+    x.add_argument("--cache-only", action="store_true", help="write no sidecars; fill the local cache only")
+    x.add_argument("--storage-options", metavar="JSON", help="fsspec options (credentials, endpoint_url), as JSON")
     return top
 
 
@@ -365,12 +454,16 @@ def main(argv: list[str] | None = None) -> int:
     top = parser()
     args = top.parse_args(argv)
     positive = {"bench": ("workers", "batch_size", "io_concurrency", "queue_depth", "rounds", "images"),
-                "make-data": ("images", "classes")}[args.command]
+                "make-data": ("images", "classes"), "make-shards": ("maxcount", "maxsize"), "index": ()}[args.command]
     for name in positive:
         if getattr(args, name) < 1:
             top.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.command == "make-data":
         return make_data_command(args)
+    if args.command == "make-shards":
+        return make_shards_command(args)
+    if args.command == "index":
+        return index_command(args)
     for name in ("latency_ms", "step_ms"):
         if getattr(args, name) < 0:
             top.error(f"--{name.replace('_', '-')} must be >= 0")

@@ -1,0 +1,319 @@
+"""A shard's index: each sample's key and byte range, so that ``len()`` is known and a
+sample is read with one range request.
+
+A sample's range runs from its first member's first header (a PAX or long-name header
+included) to the end of its last member's data: the members of a sample are contiguous in a
+tar, and the headers inside the range let the reader check, for free, that the bytes it got
+are the sample the index names (:mod:`aioload._shards.dataset`).
+
+Where an index comes from, cheapest first (:class:`Indexer`):
+
+1. the local cache (``$AIOLOAD_CACHE/shard-index/``), keyed by the shard's URL and version
+   (:mod:`aioload._shards.probe`: size and ETag or mtime), so a shard written again is indexed
+   again;
+2. a sidecar ``<shard>.index.json`` beside the shard (``aioload.ShardWriter`` writes one,
+   ``aioload index URLS`` makes them for shards written by other tools), used when the size
+   it records is the shard's;
+3. one sequential pass over the shard: a local file's headers are read where they are (a
+   read per member, the data skipped); a remote shard is read whole, once (bounded by the
+   storage's ``max_bytes``).
+
+What cannot be read is kept in the index as a *fault* at the sample's position, so that the
+loader reports it (or skips it, with ``on_error="skip"``) when that sample comes up: a
+truncated shard (the member that runs past the end), a member present twice in one sample,
+a corrupt header (a placeholder for whatever the corrupt stretch held; the pass goes on at
+the next good header). A shard that is not a tar at all, or is compressed, raises
+:class:`ShardError` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from aioload._shards import probe, tar
+from aioload._storage.storage import Storage, locate
+
+logger = logging.getLogger("aioload")
+
+SIDECAR = ".index.json"
+"""What a shard's sidecar index is called: the shard's name with this appended."""
+
+FORMAT = "aioload-shard-index/1"
+
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+
+
+class ShardError(ValueError):
+    """A shard, or one of its samples, that cannot be read as a WebDataset tar: truncated,
+    corrupt, compressed, or changed since it was indexed. The message names the shard's URL
+    and, where there is one, the sample's key."""
+
+
+@dataclass
+class ShardIndex:
+    """One shard's samples: ``keys[i]`` and its bytes ``starts[i]:ends[i]``; ``faults[i]``
+    says why sample ``i`` cannot be read (its key may then be empty). ``size``: the shard's
+    bytes when indexed."""
+
+    size: int
+    keys: list[str] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    faults: dict[int, str] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, "size": self.size, "keys": self.keys, "starts": self.starts,
+                           "ends": self.ends, "faults": {str(k): v for k, v in self.faults.items()}},
+                          separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str) -> "ShardIndex":
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict) or data.get("format") != FORMAT:
+                raise ValueError(f"its format is not {FORMAT!r}")
+            index = cls(int(data["size"]), list(data["keys"]), [int(x) for x in data["starts"]],
+                        [int(x) for x in data["ends"]], {int(k): str(v) for k, v in data["faults"].items()})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ShardError(f"{where} is not an aioload shard index ({exc}); delete it, or make it again "
+                             "with `aioload index URL`") from None
+        n = len(index.keys)
+        if len(index.starts) != n or len(index.ends) != n or not all(isinstance(k, str) for k in index.keys):
+            raise ShardError(f"{where} is not an aioload shard index (its lists differ in length); delete it, "
+                             "or make it again with `aioload index URL`")
+        return index
+
+
+# -- one pass over an archive ------------------------------------------------------------------
+class _Samples:
+    """Members grouped into samples as they come, with what cannot be read as faults."""
+
+    def __init__(self, size: int):
+        self.index = ShardIndex(size)
+        self.exts: set[str] = set()
+        self.open = False  # the last entry is a sample that may take more members
+        self.broken_after: int | None = None  # the sample before a corrupt stretch, until the next member
+
+    def add(self, member: tar.Member) -> None:
+        if not member.regular:
+            return
+        parts = tar.split_name(member.name)
+        if parts is None:
+            return
+        key, ext = parts
+        index = self.index
+        if self.broken_after is not None:
+            self._split(key, member)
+        if not self.open or key != index.keys[-1]:
+            index.keys.append(key)
+            index.starts.append(member.start)
+            index.ends.append(member.end)
+            self.exts = set()
+            self.open = True
+        pos = len(index.keys) - 1
+        if ext in self.exts:
+            index.faults.setdefault(pos, f"sample {key!r} holds two members with the extension {ext!r} "
+                                         f"(the second is {member.name!r}, at byte {member.start})")
+        self.exts.add(ext)
+        index.ends[pos] = member.end
+        if member.end > index.size:
+            index.faults.setdefault(pos, f"the shard is truncated: member {member.name!r} needs bytes up to "
+                                         f"{member.end}, and the shard has {index.size}")
+
+    def _split(self, key: str, member: tar.Member) -> None:
+        """The first member after a corrupt stretch: when it has the key of the sample before
+        the stretch, that sample lost members to it; both of its parts are faults."""
+        before, self.broken_after = self.broken_after, None
+        index = self.index
+        if index.keys[before] != key:
+            return
+        why = (f"sample {key!r} is split by the corrupt stretch at byte {index.starts[before + 1]}: members of it "
+               "are missing")
+        index.faults.setdefault(before, why)
+        index.faults.setdefault(len(index.keys), why)
+
+    def corrupt(self, at: int, until: int, reason: str) -> None:
+        index = self.index
+        if self.open:
+            self.broken_after = len(index.keys) - 1
+        index.faults[len(index.keys)] = (f"{reason}; whatever the shard holds from byte {at} to {until} cannot "
+                                         f"be read" + (" (the shard's end)" if until >= index.size else
+                                                       f" (the next good header is at byte {until})"))
+        index.keys.append("")
+        index.starts.append(at)
+        index.ends.append(until)
+        self.open = False
+
+
+def _check_plain(head: bytes, url: str) -> None:
+    for magic, kind in _COMPRESSED.items():
+        if head.startswith(magic):
+            raise ShardError(f"shard {url} is a {kind}-compressed tar: samples cannot be read from it by range. "
+                             "Decompress the shards (images and audio do not compress anyway), e.g. "
+                             f"`{'gunzip' if kind == 'gzip' else kind + ' -d'}`")
+
+
+def index_archive(read_at: Callable[[int, int], bytes], size: int, url: str) -> ShardIndex:
+    """The index of the archive that ``read_at(offset, n)`` reads, ``size`` bytes long."""
+    _check_plain(bytes(read_at(0, 6)), url)
+    samples = _Samples(size)
+    pos = 0
+    while True:
+        try:
+            for member in tar.members(read_at, pos):
+                samples.add(member)
+                if member.end > size:
+                    break
+            break
+        except tar.TarError as exc:
+            resumed = tar.resync(read_at, exc.offset, size)
+            if exc.offset == 0 and resumed is None:
+                raise ShardError(f"shard {url} is not a tar archive: {exc}") from None
+            samples.corrupt(exc.offset, size if resumed is None else resumed, str(exc))
+            if resumed is None:
+                break
+            pos = resumed
+    return samples.index
+
+
+def _index_local(path: str, url: str) -> ShardIndex:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return index_archive(lambda offset, n: os.pread(fd, n, offset), os.fstat(fd).st_size, url)
+    finally:
+        os.close(fd)
+
+
+# -- where an index comes from -----------------------------------------------------------------
+class IndexCache:
+    """Indexes kept in a local folder, one file per shard version."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+
+    def _path(self, url: str, version: probe.Version) -> Path:
+        digest = hashlib.sha256(f"{url}\n{version.size}\n{version.tag}".encode("utf-8", "surrogateescape"))
+        return self.folder / f"{digest.hexdigest()[:40]}.json"
+
+    def get(self, url: str, version: probe.Version) -> ShardIndex | None:
+        path = self._path(url, version)
+        try:
+            text = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            index = ShardIndex.from_json(text, str(path))
+        except ShardError:
+            return None  # a file cut short by a crash, say: made again
+        return index if index.size == version.size else None
+
+    def put(self, url: str, version: probe.Version, index: ShardIndex) -> None:
+        path = self._path(url, version)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(index.to_json())
+            os.replace(tmp, path)
+        except OSError as exc:  # a read-only cache costs a pass next time, nothing more
+            logger.warning("could not keep the index of %s in %s: %s", url, self.folder, exc)
+
+
+def default_cache_folder() -> Path:
+    from aioload._tools.synth import cache_dir
+
+    return cache_dir() / "shard-index"
+
+
+@dataclass
+class Indexed:
+    """A shard's index and where it came from: ``"cache"``, ``"sidecar"`` or ``"scan"``."""
+
+    url: str
+    index: ShardIndex
+    source: str
+    version: probe.Version
+
+
+class Indexer:
+    """Finds or builds shards' indexes (see the module's docstring); ``cache=None``: no cache."""
+
+    SCANS = 4
+    """Remote shards read whole at once while indexing (each is held in memory meanwhile)."""
+
+    def __init__(self, storage: Storage, cache: IndexCache | None, concurrency: int = 32):
+        self.storage = storage
+        self.cache = cache
+        self.concurrency = concurrency
+
+    async def one(self, url: str, scans: asyncio.Semaphore | None = None) -> Indexed:
+        try:
+            version = await probe.version(self.storage, url)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"shard {url} does not exist ({exc}); remove it from the shard list") from exc
+        if self.cache is not None:
+            cached = self.cache.get(url, version)
+            if cached is not None:
+                return Indexed(url, cached, "cache", version)
+        index = await self._sidecar(url, version)
+        source = "sidecar"
+        if index is None:
+            async with scans or asyncio.Semaphore(1):
+                index = await self._scan(url)
+            source = "scan"
+            if index.size != version.size:
+                raise ShardError(f"shard {url} changed while it was indexed ({version.size} bytes, then "
+                                 f"{index.size}); index it again when it is complete")
+        if self.cache is not None:
+            self.cache.put(url, version, index)
+        return Indexed(url, index, source, version)
+
+    async def _sidecar(self, url: str, version: probe.Version) -> ShardIndex | None:
+        where = url + SIDECAR
+        try:
+            text = await self.storage.read_bytes(where)
+        except FileNotFoundError:
+            return None
+        index = ShardIndex.from_json(text, where)
+        if index.size != version.size:
+            logger.info("the sidecar %s describes %d bytes, the shard has %d: indexing the shard itself",
+                        where, index.size, version.size)
+            return None
+        return index
+
+    async def _scan(self, url: str) -> ShardIndex:
+        kind, where = locate(url)
+        if kind == "local":
+            return await asyncio.to_thread(_index_local, where, url)
+        data = memoryview(await self.storage.read_bytes(url))
+        return index_archive(lambda offset, n: data[offset:offset + n], len(data), url)
+
+    async def all(self, urls: list[str]) -> list[Indexed]:
+        """Every shard's index, in the order of ``urls``, ``concurrency`` at a time."""
+        slots, scans = asyncio.Semaphore(self.concurrency), asyncio.Semaphore(self.SCANS)
+
+        async def one(url: str) -> Indexed:
+            async with slots:
+                try:
+                    return await self.one(url, scans)
+                except Exception as exc:
+                    if not isinstance(exc, FileNotFoundError) or "does not exist" not in str(exc):
+                        exc.add_note(f"while indexing shard {url}")
+                    raise
+
+        tasks = [asyncio.ensure_future(one(url)) for url in urls]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,129 @@
+"""A shard's version: its size and a tag that changes when it is written again.
+
+The index cache is keyed by it, so an index is never used for a shard other than the one it
+was made from. One request per shard, through the storage's own transports and retries:
+
+* a local path: ``os.stat`` (size, ``st_mtime_ns``, inode);
+* ``http(s)://``: ``HEAD`` (``Content-Length``, ``ETag`` or ``Last-Modified``), redirects
+  followed as the storage's ``redirects`` rule allows; a server that refuses ``HEAD``
+  (405, 501) is asked for its first byte instead (``Content-Range`` gives the size);
+* an fsspec URL: the filesystem's ``info`` (``size``, ``ETag``, ``LastModified`` or ``mtime``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from dataclasses import dataclass
+
+from aioload._storage import fsspec as _fsspec
+from aioload._storage import http as _http
+from aioload._storage.retry import Permanent, Transient, retrying
+from aioload._storage.storage import Storage, locate
+
+
+@dataclass(frozen=True)
+class Version:
+    """``size`` in bytes, and ``tag``: whatever the store says changes with the content
+    (empty where it says nothing: the size alone then tells versions apart)."""
+
+    size: int
+    tag: str
+
+
+async def version(storage: Storage, url: str) -> Version:
+    """The version of the shard at ``url`` (a missing one raises ``FileNotFoundError``)."""
+    kind, where = locate(url)
+    if kind == "local":
+        st = await asyncio.to_thread(os.stat, where)
+        return Version(st.st_size, f"mtime_ns={st.st_mtime_ns} ino={st.st_ino}")
+    if kind == "http":
+        return await retrying(storage.retry, url, lambda: _head(storage, url), storage._rng, verb="HEAD")
+    return await retrying(storage.retry, url, lambda: _info(storage, url), storage._rng, verb="INFO")
+
+
+async def _info(storage: Storage, url: str) -> Version:
+    protocol, path = _fsspec.split(url)
+    fs = await _fsspec._filesystem(storage, protocol, storage.storage_options)
+    try:
+        async with asyncio.timeout(storage.retry.timeout):
+            if getattr(fs, "async_impl", False):
+                info = await fs._info(path)
+            else:
+                info = await asyncio.get_running_loop().run_in_executor(None, fs.info, path)
+    except FileNotFoundError as exc:
+        raise Permanent(f"not found: {exc}", missing=True) from exc
+    except TimeoutError as exc:
+        raise Transient(f"no answer within timeout={storage.retry.timeout:g} s") from exc
+    except OSError as exc:
+        raise Transient(f"{type(exc).__name__}: {exc}") from exc
+    if info.get("type", "file") != "file":
+        raise Permanent(f"{url} is a {info.get('type')}, not a shard")
+    tag = next((str(info[k]) for k in ("ETag", "etag", "LastModified", "last_modified", "mtime", "created")
+                if info.get(k) is not None), "")
+    return Version(int(info.get("size") or 0), tag)
+
+
+async def _head(storage: Storage, url: str) -> Version:
+    client = await _http.client(storage, storage.connections_per_host, storage.headers)
+    home = _http.origin(url)
+    current = url
+    async with client.slot(url):
+        try:
+            async with asyncio.timeout(storage.retry.timeout):
+                for _ in range(_http.MAX_REDIRECTS + 1):
+                    headers = dict(client.headers) if _http.origin(current) == home else {}
+                    headers["Accept-Encoding"] = "identity"
+                    async with client.session.head(current, headers=headers, allow_redirects=False) as resp:
+                        if resp.status in (405, 501):  # no HEAD here: the first byte says the size
+                            return await _first_byte(client, current, headers)
+                        target = _redirect(resp, current, url, storage.redirects)
+                        if target is None:
+                            return _from_headers(resp.status, resp.reason, resp.headers, None)
+                        current = target
+                raise Permanent(f"more than {_http.MAX_REDIRECTS} redirects")
+        except TimeoutError as exc:
+            raise Transient(f"no answer within timeout={storage.retry.timeout:g} s") from exc
+        except _http.aiohttp.ClientConnectionError as exc:
+            raise Transient(f"connection error: {type(exc).__name__}: {exc}") from exc
+
+
+async def _first_byte(client, url: str, headers: dict) -> Version:
+    async with client.session.get(url, headers={**headers, "Range": "bytes=0-0"}, allow_redirects=False) as resp:
+        if resp.status != 206:  # the whole object is on its way: its Content-Length is the size
+            resp.close()
+            return _from_headers(resp.status, resp.reason, resp.headers, None)
+        await resp.read()
+        return _from_headers(resp.status, resp.reason, resp.headers, resp.headers.get("Content-Range"))
+
+
+def _redirect(resp, current: str, first: str, rule: str) -> str | None:
+    location = resp.headers.get("Location")
+    if resp.status not in (301, 302, 303, 307, 308) or location is None:
+        return None
+    target = str(resp.url.join(_http.yarl.URL(location)))
+    reason = _http.redirect_refusal(current, target, first, rule)
+    if reason is not None:
+        raise Permanent(reason, resp.status)
+    return target
+
+
+def _from_headers(status: int, reason: str | None, headers, content_range: str | None) -> Version:
+    if status in (408, 429) or status >= 500:
+        raise Transient(f"{status} {reason}", status)
+    if not 200 <= status < 300:
+        raise Permanent(f"{status} {reason}", status, missing=status in (404, 410))
+    if content_range is not None:
+        match = re.match(r"^\s*bytes\s+\d+-\d+/(\d+)", content_range)
+        if match is None:
+            raise Permanent(f"Content-Range {content_range!r} does not give the size", status)
+        size = int(match.group(1))
+    else:
+        length = headers.get("Content-Length")
+        if length is None or not length.strip().isdigit():
+            raise Permanent(f"no Content-Length in the answer to HEAD ({length!r})", status,
+                            remedy="not retried: the shard's size must be known to index it")
+        size = int(length)
+    tag = headers.get("ETag") or headers.get("Last-Modified") or ""
+    return Version(size, tag)

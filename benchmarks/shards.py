@@ -1,0 +1,405 @@
+"""Tar shards: aioload's two modes against webdataset's pipeline and LitData, locally and
+behind HTTP latency.
+
+    python benchmarks/shards.py                  # 4,000 images in 40 class-sorted shards; local, 20, 50 ms
+    python benchmarks/shards.py --images 800 --latencies 20 --rounds 1 --json out.json
+
+The data: ``--images`` synthetic ImageNet-like JPEGs (``aioload._tools.synth``) in
+``--classes`` class folders, written class by class (ImageFolder's order) by
+``webdataset.ShardWriter`` into shards of ``--shard-size`` samples (``jpg`` + ``cls``), so
+each shard holds one class: a loader that shuffles poorly shows it in the classes per batch.
+LitData reads its own format: the same samples, in the same order, converted by
+``litdata.optimize`` into chunks of ``--shard-size`` items. Everything is made once, in
+``$AIOLOAD_CACHE``.
+
+Every row decodes with ``aioload.decode_image`` and applies ``RandomResizedCrop(224)`` + flip
+on uint8 tensors, in batches of ``--batch-size`` with ``--workers`` worker processes:
+
+* ``aioload uniform``: ``aioload.WebDataset(shards)``, a uniform shuffle, one range request per
+  sample (read in the workers);
+* ``aioload window=K``: ``aioload.WebDataset(shards, window=K)``, whole shards fetched once,
+  samples drawn from K shards at a time;
+* ``webdataset``: ``wds.WebDataset(shards, shardshuffle=len(shards), workersplitter=split_by_worker)
+  .shuffle(1000).map(decode)`` in ``torch.utils.data.DataLoader`` (its recommended recipe; over
+  HTTP it reads each shard with ``curl``);
+* ``LitData``: ``litdata.StreamingDataset(chunks, shuffle=True)`` in its ``StreamingDataLoader``,
+  on the local chunks only (it reads from object stores, not from a latency server);
+* ``torch ImageFolder (files)``: torch's DataLoader over the same images as loose local files,
+  locally only: the reference for main-process CPU per image.
+
+Scenarios: ``local`` (shards on this disk) and, for each of ``--latencies``, the shards behind
+``aioload._tools.benchserver`` on 127.0.0.1 (each request answered after L ms, each body paced
+to ``--mb-per-s``; Range supported). Columns: img/s after the first ``--skip-batches`` + 1
+batches; the share of the local ceiling (the same decode + transform on the local files in
+``--workers`` bare processes, measured at the start of every round; the median of each round's
+ratio, so that a machine busier in one round than another does not skew it); main-process CPU
+ms per image
+(``time.process_time``, every thread of the training process); storage requests per sample
+(counted by the server, per sample of the epoch); peak memory (PSS of the training process and its workers); disk the
+loader needs beyond the shards (LitData's converted copy; aioload's index cache); distinct
+classes per batch (a uniform shuffle's figure is printed beside it). Rounds are interleaved
+and medians are printed. Numbers from a shared machine are noisy: compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import aioload
+from aioload._tools.bench import BenchImages, ceiling, environment, measure, median, rrc_flip
+from aioload._tools.synth import cache_dir, make_image_folder
+
+UNIFORM = "aioload uniform"
+WEBDATASET = "webdataset"
+LITDATA = "LitData"
+TORCH_FILES = "torch ImageFolder (files)"
+
+_TRANSFORM = None
+
+
+def decode_pair(jpg, cls):
+    """The one decode every row runs: JPEG bytes -> RandomResizedCrop(224) + flip, and the class."""
+    global _TRANSFORM
+    if _TRANSFORM is None:
+        _TRANSFORM = rrc_flip()
+    return _TRANSFORM(aioload.decode_image(jpg)), int(cls)
+
+
+def decode_sample(sample):
+    return decode_pair(sample["jpg"], sample["cls"])
+
+
+# ----------------------------------------------------------------------------- the data
+
+
+class Data:
+    """The images, their webdataset shards and LitData's chunks, made once in the cache."""
+
+    def __init__(self, images: int, classes: int, shard_size: int):
+        base = cache_dir() / f"shards-bench-{images}-{classes}-{shard_size}"
+        self.root = make_image_folder(base / "images", images=images, classes=classes, seed=0,
+                                      processes=os.cpu_count() or 1)
+        folder = aioload.ImageFolder(self.root)
+        self.samples = [(p, t) for p, t in folder.samples]
+        self.labels = [t for _, t in self.samples]
+        self.shards = base / "wds"
+        self.shard_count = -(-images // shard_size)
+        self.pattern_name = f"wds-{{000000..{self.shard_count - 1:06d}}}.tar"
+        if not (self.shards / ".complete").exists():
+            self._write_shards(shard_size)
+        self.chunks = base / "litdata"
+        self.shard_size = shard_size
+
+    def _write_shards(self, shard_size: int) -> None:
+        import webdataset as wds
+
+        shutil.rmtree(self.shards, ignore_errors=True)
+        self.shards.mkdir(parents=True)
+        with wds.ShardWriter(str(self.shards / "wds-%06d.tar"), maxcount=shard_size, verbose=0) as w:
+            for path, target in self.samples:
+                rel = os.path.relpath(path, self.root)[:-4]
+                w.write({"__key__": rel, "jpg": Path(path).read_bytes(), "cls": target})
+        (self.shards / ".complete").touch()
+
+    def litdata_chunks(self) -> Path:
+        """LitData's own copy (made on first use: ``litdata.optimize`` runs in processes)."""
+        if not (self.chunks / ".complete").exists():
+            import multiprocessing
+
+            import litdata
+
+            shutil.rmtree(self.chunks, ignore_errors=True)
+            method = multiprocessing.get_start_method(allow_none=True)
+            try:
+                litdata.optimize(fn=_litdata_item, inputs=self.samples, output_dir=str(self.chunks),
+                                 chunk_size=self.shard_size, num_workers=1, mode="overwrite")
+            finally:  # optimize sets "spawn" for the whole process; the loaders measured use the default
+                multiprocessing.set_start_method(method, force=True)
+            (self.chunks / ".complete").touch()
+        return self.chunks
+
+    def pattern(self, base: str | None) -> str:
+        return (base if base is not None else str(self.shards) + "/") + self.pattern_name
+
+    def paths(self) -> list[str]:
+        return [p for p, _ in self.samples]
+
+
+def _litdata_item(sample):
+    path, target = sample
+    return {"jpg": Path(path).read_bytes(), "cls": target}
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+# ----------------------------------------------------------------------------- the loaders
+
+
+class Recorded:
+    """A loader whose batches are counted after the first ``skip`` (the read-ahead buffers)
+    and whose labels are kept: the distinct classes in each full batch."""
+
+    def __init__(self, loader, skip: int, batch_size: int):
+        self.loader, self.skip, self.batch_size = loader, skip, batch_size
+        self.classes: list[int] = []
+
+    def __iter__(self):
+        for i, (images, labels) in enumerate(self.loader):
+            if len(labels) == self.batch_size:
+                self.classes.append(len(set(labels.tolist())))
+            if i >= self.skip:
+                yield images, labels
+            del images
+
+    def stats(self):
+        stats = getattr(self.loader, "stats", None)
+        return stats() if stats is not None else None
+
+    def close(self) -> None:
+        close = getattr(self.loader, "close", None)
+        if close is not None:
+            close()
+
+
+def aioload_loader(ds, args, epoch: int):
+    """The loader plans the epoch from the dataset's order (``epoch_order``) and tells it what
+    it will read (``will_read``), as for any dataset that computes its order."""
+    return aioload.DataLoader(ds, shuffle=True, seed=epoch, batch_size=args.batch_size, num_workers=args.workers,
+                              drop_last=True, io_concurrency=args.io_concurrency)
+
+
+try:
+    import litdata
+except ImportError:  # pragma: no cover - the LitData row needs it
+    litdata = None
+else:
+    class LitImages(litdata.StreamingDataset):
+        """LitData's StreamingDataset with the same decode."""
+
+        def __getitem__(self, index):
+            item = super().__getitem__(index)
+            return decode_pair(item["jpg"], item["cls"])
+
+
+def webdataset_loader(pattern: str, args, epoch: int):
+    import webdataset as wds
+
+    shards = len(wds.shardlists.expand_urls(pattern))
+    ds = (wds.WebDataset(pattern, shardshuffle=shards, seed=epoch, workersplitter=wds.split_by_worker,
+                         nodesplitter=None, empty_check=False)
+          .shuffle(1000).map(decode_sample))
+    return torch.utils.data.DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, drop_last=True)
+
+
+def rows_for(scenario: str, data: Data, base: str | None, args) -> dict:
+    """name -> factory(epoch) of the loader, for one scenario."""
+    pattern = data.pattern(base)
+    storage = aioload.Storage(connections_per_host=max(64, args.io_concurrency))
+    uniform = aioload.WebDataset(pattern, decode=decode_sample, storage=storage)
+    window = aioload.WebDataset(pattern, decode=decode_sample, window=args.window, storage=storage)
+    rows = {
+        UNIFORM: lambda epoch: aioload_loader(uniform, args, epoch),
+        f"aioload window={args.window}": lambda epoch: aioload_loader(window, args, epoch),
+        WEBDATASET: lambda epoch: webdataset_loader(pattern, args, epoch),
+    }
+    if scenario == "local" and litdata is not None:
+        chunks = data.litdata_chunks()
+        rows[LITDATA] = lambda epoch: litdata.StreamingDataLoader(
+            LitImages(str(chunks), shuffle=True, seed=epoch), batch_size=args.batch_size,
+            num_workers=args.workers, drop_last=True)
+    if scenario == "local":
+        files = BenchImages(data.root, rrc_flip())
+        rows[TORCH_FILES] = lambda epoch: torch.utils.data.DataLoader(
+            files, batch_size=args.batch_size, shuffle=True, num_workers=args.workers, drop_last=True)
+    return rows
+
+
+def extra_disk(name: str, data: Data) -> int:
+    if name == LITDATA:
+        return folder_bytes(data.chunks)
+    if name.startswith("aioload"):
+        return folder_bytes(cache_dir() / "shard-index")
+    return 0
+
+
+def uniform_classes(labels: list[int], batch: int, trials: int = 20) -> float:
+    """Distinct classes per full batch of a uniform shuffle of ``labels`` (the reference)."""
+    g = torch.Generator().manual_seed(0)
+    counts = []
+    tensor = torch.tensor(labels)
+    for _ in range(trials):
+        order = tensor[torch.randperm(len(labels), generator=g)]
+        for i in range(0, len(order) - batch + 1, batch):
+            counts.append(len(set(order[i:i + batch].tolist())))
+    return statistics.fmean(counts)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _progress(message: str) -> None:
+    print(f"  {message}", file=sys.stderr, flush=True)
+
+
+def run(args) -> dict:
+    from aioload._tools import bench as _bench
+    from aioload._tools.benchhttp import Server
+
+    data = Data(args.images, args.classes, args.shard_size)
+    if args.images < (args.skip_batches + 2) * args.batch_size:
+        raise SystemExit(f"--images {args.images}: at least {args.skip_batches + 2} batches of {args.batch_size} "
+                         "are needed")
+    scenarios = (["local"] if not args.no_local else []) + [f"{x:g} ms" for x in args.latencies]
+    servers: dict[str, Server] = {}
+    results: dict[tuple[str, str], list] = collections.defaultdict(list)
+    ceilings: list[float] = []
+    try:
+        for latency in args.latencies:
+            server = Server(data.shards, latency, mb_per_s=args.mb_per_s)
+            servers[f"{latency:g} ms"] = server
+            _bench.EXCLUDED_PIDS.add(server.proc.pid)
+        rows = {s: rows_for(s, data, servers[s].base if s in servers else None, args) for s in scenarios}
+        paths = data.paths()
+        transform = rrc_flip()
+        per_epoch = args.images // args.batch_size * args.batch_size  # the samples an epoch reads (drop_last)
+        for r in range(args.rounds):
+            ceilings.append(ceiling(paths, transform, args.workers))
+            _progress(f"round {r + 1}/{args.rounds}: local ceiling {ceilings[-1]:.1f} img/s")
+            for scenario in (scenarios if r % 2 == 0 else scenarios[::-1]):
+                names = list(rows[scenario])
+                for name in (names if r % 2 == 0 else names[::-1]):
+                    server = servers.get(scenario)
+                    before = server.requests() if server is not None else 0
+                    box = {}
+
+                    def make(name=name, scenario=scenario, box=box, r=r):
+                        box["loader"] = Recorded(rows[scenario][name](r), args.skip_batches, args.batch_size)
+                        return box["loader"]
+
+                    result = measure(name, make)
+                    asked = server.requests() - before if server is not None else 0
+                    loader = box["loader"]
+                    stats = result.stats
+                    results[scenario, name].append({
+                        "img_s": result.rate, "of_local_ceiling": result.rate / ceilings[-1] if ceilings[-1] else 0.0,
+                        "cpu_ms_per_image": result.cpu_ms_per_image,
+                        "memory_mb": result.memory_mb, "classes_per_batch": statistics.fmean(loader.classes or [0]),
+                        "requests_per_sample": asked / per_epoch if server is not None else 0.0,
+                        "aioload_requests_per_sample": getattr(stats, "requests_per_sample", None),
+                        "window_peak_mb": (getattr(stats, "shard_window_peak_bytes", 0) or 0) / 1e6,
+                        "disk_mb": extra_disk(name, data) / 1e6,
+                    })
+                    _progress(f"round {r + 1}/{args.rounds} {scenario:>6} {name:<28} {result.rate:8.1f} img/s, "
+                              f"main CPU {result.cpu_ms_per_image:.3f} ms/img, classes/batch "
+                              f"{results[scenario, name][-1]['classes_per_batch']:.2f}")
+    finally:
+        for server in servers.values():
+            _bench.EXCLUDED_PIDS.discard(server.proc.pid)
+            server.close()
+    local_ceiling = median(ceilings)
+    out = []
+    for scenario in scenarios:
+        for name in rows[scenario]:
+            runs = results[scenario, name]
+            row = {"scenario": scenario, "row": name, "rounds_img_s": [x["img_s"] for x in runs]}
+            for key in runs[0]:
+                values = [x[key] for x in runs if x[key] is not None]
+                row[key] = median(values) if values else None
+            out.append(row)
+    return {"rows": out, "local_ceiling_img_s": local_ceiling, "ceilings": ceilings,
+            "uniform_classes_per_batch": uniform_classes(data.labels, args.batch_size),
+            "shards": data.shard_count}
+
+
+COLUMNS = [("img/s", "img_s", "{:.0f}"), ("% ceiling", "of_local_ceiling", "{:.0%}"),
+           ("main CPU ms/img", "cpu_ms_per_image", "{:.3f}"), ("req/sample", "requests_per_sample", "{:.3f}"),
+           ("peak MB (PSS)", "memory_mb", "{:.0f}"), ("disk MB", "disk_mb", "{:.1f}"),
+           ("classes/batch", "classes_per_batch", "{:.2f}")]
+
+
+def print_result(result: dict, args) -> None:
+    print(f"\n## Shards: {args.images} images in {result['shards']} class-sorted shards of {args.shard_size}, "
+          f"{args.classes} classes; RandomResizedCrop(224) + flip, batch {args.batch_size}, {args.workers} workers, "
+          f"{args.rounds} rounds; HTTP paced to {args.mb_per_s:g} MB/s per response\n")
+    header = f"{'scenario':>8}  {'row':28}" + "".join(f" {title:>15}" for title, _, _ in COLUMNS)
+    print(header)
+    for row in result["rows"]:
+        cells = "".join(f" {fmt.format(row[key]) if row[key] is not None else '-':>15}" for _, key, fmt in COLUMNS)
+        print(f"{row['scenario']:>8}  {row['row']:28}{cells}")
+    print(f"\nlocal ceiling (the same decode in {args.workers} bare processes): {result['local_ceiling_img_s']:.0f} img/s "
+          f"(rounds: {', '.join(f'{c:.0f}' for c in result['ceilings'])}); a uniform shuffle gives "
+          f"{result['uniform_classes_per_batch']:.2f} classes per batch of {args.batch_size}")
+    print_goals(result)
+
+
+def print_goals(result: dict) -> None:
+    rows = {(r["scenario"], r["row"]): r for r in result["rows"]}
+    lines = []
+    for name in [n for (s, n) in rows if n.startswith("aioload") and s == "20 ms"]:
+        share = rows["20 ms", name]["of_local_ceiling"]
+        lines.append(f"behind 20 ms, {name}: {share:.0%} of the local ceiling (goal >= 90%)")
+    lit = rows.get(("local", LITDATA))
+    for name in [n for (s, n) in rows if n.startswith("aioload") and s == "local"]:
+        row = rows["local", name]
+        if lit is not None:
+            lines.append(f"locally, {name}: {row['img_s'] / lit['img_s']:.2f}x LitData's img/s (goal >= 1)")
+        torch_row = rows.get(("local", TORCH_FILES))
+        if torch_row is not None:
+            lines.append(f"locally, {name}: main-process CPU {row['cpu_ms_per_image']:.3f} ms/img, torch on files "
+                         f"{torch_row['cpu_ms_per_image']:.3f} (goal: no more)")
+    reference = result["uniform_classes_per_batch"]
+    for (scenario, name), row in rows.items():
+        if scenario == "local" and name != TORCH_FILES:
+            lines.append(f"class mix, {name}: {row['classes_per_batch']:.2f} classes per batch, "
+                         f"{row['classes_per_batch'] / reference - 1:+.1%} against a uniform shuffle's {reference:.2f}"
+                         + (" (goal: within 2%)" if name == UNIFORM else ""))
+    print("\n" + "\n".join(lines))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=4000)
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--shard-size", type=int, default=100, help="samples per shard (and per LitData chunk)")
+    parser.add_argument("--latencies", type=lambda t: [float(x) for x in t.split(",") if x.strip()], default=[20.0, 50.0],
+                        help="HTTP latencies in ms, comma-separated (default: 20,50)")
+    parser.add_argument("--no-local", action="store_true", help="skip the local scenario")
+    parser.add_argument("--mb-per-s", type=float, default=200.0, help="each HTTP response's pace (default: 200)")
+    parser.add_argument("--window", type=int, default=8, help="aioload's window mode: shards open at a time")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--io-concurrency", type=int, default=64)
+    parser.add_argument("--skip-batches", type=int, default=2,
+                        help="batches not counted after the first one (the read-ahead buffers)")
+    parser.add_argument("--json", help="also write the rows and settings to this file")
+    args = parser.parse_args(argv)
+    command = "python benchmarks/shards.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    run_info = f"{environment()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start"
+    print(f"# Tar shards: aioload, webdataset, LitData\n\nrun: {run_info}\ncommand: {command}", flush=True)
+    started = time.perf_counter()
+    result = run(args)
+    print_result(result, args)
+    end_load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    print(f"\ntook {time.perf_counter() - started:.0f} s; load average {end_load[0]:.2f} at the end")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"run": run_info, "command": command, "settings": vars(args), **result}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

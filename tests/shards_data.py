@@ -1,0 +1,68 @@
+"""Shards for the shard tests: the same images written by ``webdataset``'s ShardWriter (PAX
+headers before every member) and by ``aioload.ShardWriter``, and what ``webdataset``'s own
+pipeline reads from them (the reference)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import aioload
+
+
+def image_samples(image_root: Path) -> list[tuple[str, bytes, int]]:
+    """``(key, jpeg bytes, class)`` of every image, class by class (ImageFolder's order)."""
+    folder = aioload.ImageFolder(image_root)
+    out = []
+    for path, target in folder.samples:
+        rel = os.path.relpath(path, image_root)
+        out.append((rel.rsplit(".", 1)[0], Path(path).read_bytes(), target))
+    return out
+
+
+def write_webdataset(samples, folder: Path, maxcount: int) -> str:
+    """Shards written by ``webdataset.ShardWriter`` (``format="pax"``: its mtimes are floats, so a
+    PAX header goes before every member); returns their brace pattern."""
+    import webdataset as wds
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with wds.ShardWriter(str(folder / "wds-%06d.tar"), maxcount=maxcount, verbose=0, format="pax") as w:
+        for key, data, target in samples:
+            w.write({"__key__": key, "jpg": data, "cls": target})
+        last = w.shard - 1
+    return str(folder / f"wds-{{000000..{last:06d}}}.tar")
+
+
+def write_aioload(samples, folder: Path, maxcount: int) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    with aioload.ShardWriter(str(folder / "aio-%06d.tar"), maxcount=maxcount) as w:
+        for key, data, target in samples:
+            w.write({"__key__": key, "jpg": data, "cls": target})
+    return str(folder / f"aio-{{000000..{len(w.urls) - 1:06d}}}.tar")
+
+
+def digest(data) -> str:
+    return hashlib.sha256(bytes(data)).hexdigest()[:16]
+
+
+def webdataset_samples(pattern: str):
+    """The samples ``webdataset``'s own tar reader and grouping make of the shards (its
+    ``tar_file_expander`` and ``group_by_keys``, over files this closes: its ``WebDataset``
+    pipeline leaves them to the garbage collector)."""
+    from webdataset.shardlists import expand_urls
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    for url in expand_urls(pattern):
+        with open(url, "rb") as f:
+            yield from group_by_keys(tar_file_expander([{"url": url, "stream": f}]))
+
+
+def webdataset_reads(pattern: str) -> dict[str, tuple[str, int]]:
+    """key -> (digest of the jpg, class), as ``webdataset`` reads the shards."""
+    return {s["__key__"]: (digest(s["jpg"]), int(s["cls"])) for s in webdataset_samples(pattern)}
+
+
+def fingerprint(sample: dict) -> tuple[str, str, int]:
+    """A decode for the loader: ``(key, digest of the jpg, class)`` (strings collate as lists)."""
+    return sample["__key__"], digest(sample["jpg"]), int(sample["cls"])

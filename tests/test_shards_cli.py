@@ -1,0 +1,82 @@
+"""``aioload make-shards SRC DEST`` and ``aioload index URLS``, run as a user runs them (a
+subprocess), on real folders, shards and an HTTP server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import aioload
+from aioload._shards.index import SIDECAR, ShardIndex, _index_local
+from tests.httpserver import Server
+from tests.shards_data import image_samples, write_webdataset
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def aioload_cli(*args, cache) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), AIOLOAD_CACHE=str(cache))
+    return subprocess.run([sys.executable, "-m", "aioload", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_make_shards_writes_a_folder_tree_class_by_class(image_root, tmp_path):
+    done = aioload_cli("make-shards", str(image_root), str(tmp_path / "out"), "--maxcount", "20", cache=tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "out"
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [f"train-{i:06d}.tar{s}" for i in range(3) for s in ("", SIDECAR)]
+    assert done.stdout.strip() == f"48 samples in 3 shards: {out}/train-000000.tar ... {out}/train-000002.tar"
+    assert done.stderr == ""  # no bar: stderr is not a terminal
+    ds = aioload.WebDataset(str(out / "train-{000000..000002}.tar"), index_cache=False)
+    folder = aioload.ImageFolder(image_root)
+    assert [ds.key(i) for i in range(len(ds))] == [os.path.relpath(p, image_root)[:-4] for p, _ in folder.samples]
+    assert [ds[i]["cls"] for i in (0, 20, 47)] == [folder.targets[i] for i in (0, 20, 47)]
+    shuffled = aioload_cli("make-shards", str(image_root), str(tmp_path / "mixed"), "--shuffle", "3",
+                           "--name", "mix", cache=tmp_path)
+    assert shuffled.returncode == 0, shuffled.stderr
+    with tarfile.open(tmp_path / "mixed" / "mix-000000.tar") as t:
+        keys = [n.rsplit(".", 1)[0] for n in t.getnames()][::2]
+    assert sorted(keys) == sorted(ds.key(i) for i in range(len(ds))) and keys != [ds.key(i) for i in range(48)]
+
+
+def test_index_writes_sidecars_for_shards_of_other_tools(image_root, tmp_path):
+    pattern = write_webdataset(image_samples(image_root), tmp_path / "wds", 16)
+    done = aioload_cli("index", pattern, cache=tmp_path / "cache")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3
+    for i, line in enumerate(lines):
+        url = str(tmp_path / "wds" / f"wds-{i:06d}.tar")
+        assert line == f"{url}: 16 samples; wrote {url}{SIDECAR}"
+        assert ShardIndex.from_json(Path(url + SIDECAR).read_text(), url) == _index_local(url, url)
+    again = aioload_cli("index", pattern, cache=tmp_path / "other-cache")
+    assert again.stdout.splitlines()[0].endswith(": 16 samples; its sidecar is up to date")
+
+
+def test_index_over_http_fills_the_cache(image_root, tmp_path, monkeypatch):
+    write_webdataset(image_samples(image_root), tmp_path / "www", 16)
+    with Server(tmp_path / "www") as server:
+        url = server.url("wds-{000000..000002}.tar")
+        done = aioload_cli("index", url, cache=tmp_path / "cache")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[0] == (f"{server.url('wds-000000.tar')}: 16 samples; indexed into the local "
+                                               "cache only (HTTP takes no uploads)")
+        monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
+        before = server.requests["wds-000001.tar"]
+        ds = aioload.WebDataset(url)
+        assert len(ds) == 48 and server.requests["wds-000001.tar"] == before + 1  # a HEAD, no pass
+
+
+@pytest.mark.parametrize("args, message", [
+    (["index", "x.tar", "--storage-options", "{bad"], "error: --storage-options is not JSON"),
+    (["make-shards", "a", "b", "--maxcount", "0"], "--maxcount must be >= 1"),
+])
+def test_bad_arguments_are_refused(tmp_path, args, message):
+    done = aioload_cli(*args, cache=tmp_path)
+    assert done.returncode != 0 and message in done.stderr

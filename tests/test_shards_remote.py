@@ -1,0 +1,277 @@
+"""``aioload.WebDataset`` over real stores on 127.0.0.1: an HTTP server with Range support and
+faults on demand (``tests/httpserver.py``), and S3 through moto's server. What each mode asks
+the store for (one range per sample, or one GET per shard), that what arrives is what the
+shards hold, and what 5xx answers, missing and truncated shards and a hung server do."""
+
+from __future__ import annotations
+
+import gc
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import aioload
+from aioload._storage import scope as _scope
+from tests.httpserver import Server
+from tests.shards_data import fingerprint, image_samples, webdataset_reads, write_aioload, write_webdataset
+
+RETRY = aioload.RetryPolicy(attempts=2, backoff=0.01, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def samples(image_root):
+    return image_samples(image_root)
+
+
+@pytest.fixture(scope="module")
+def folder(samples, tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    write_webdataset(samples, root, 10)
+    write_aioload(samples, root, 10)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def server(folder, tmp_path):
+    """A server of a copy of the shards (tests may cut them)."""
+    copy = tmp_path / "www"
+    shutil.copytree(folder, copy)
+    with Server(copy) as s:
+        s.root_path = copy
+        yield s
+
+
+def pattern(server, prefix: str) -> str:
+    return server.url(f"{prefix}-{{000000..000004}}.tar")
+
+
+def epoch(ds, *, seed=0, shuffle=True, **loader_args):
+    with aioload.DataLoader(ds, shuffle=shuffle, seed=seed, batch_size=4, num_workers=2, **loader_args) as loader:
+        rows = [row for keys, digests, classes in loader for row in zip(keys, digests, classes.tolist())]
+        return rows, loader.stats()
+
+
+def test_uniform_mode_asks_one_range_per_sample(server, folder):
+    ds = aioload.WebDataset(pattern(server, "wds"), decode=fingerprint, storage=aioload.Storage(retry=RETRY))
+    before = len(server.ranges)
+    rows, stats = epoch(ds)
+    assert {k: (d, c) for k, d, c in rows} == webdataset_reads(str(folder / "wds-{000000..000004}.tar"))
+    ranges = server.ranges[before:]
+    expected = sorted(f"bytes={ds._starts[i]}-{ds._ends[i] - 1}" for i in range(len(ds)))
+    assert sorted(ranges) == expected  # one request per sample, exactly its members' bytes
+    assert stats.requests_per_sample == 1.0 and stats.shard_mode == "uniform"
+    assert stats.bytes_per_sample == pytest.approx(sum(ds._ends - ds._starts) / len(ds))
+    assert _scope.open_scopes() == 0
+
+
+def test_window_mode_gets_each_shard_once(server):
+    ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=2,
+                            storage=aioload.Storage(retry=RETRY))
+    counted = server.requests
+    assert all(counted[f"aio-{i:06d}.tar"] == 1 for i in range(5))  # HEAD: the version; the sidecar did the rest
+    rows, stats = epoch(ds)
+    assert sorted(k for k, _, _ in rows) == sorted(ds.key(i) for i in range(len(ds)))
+    counted = server.requests
+    assert all(counted[f"aio-{i:06d}.tar"] == 2 for i in range(5))  # and one GET of the whole shard
+    assert server.ranges == []
+    assert stats.shard_fetches == 5 and stats.requests_per_sample == pytest.approx(5 / 48)
+    _, again = epoch(ds, seed=1)  # the same dataset in a second loader: that loader's own fetches
+    assert again.shard_fetches == 5 and again.requests_per_sample == pytest.approx(5 / 48)
+    assert server.requests["aio-000000.tar"] == 3
+
+
+def test_window_mode_bounds_its_memory_and_frees_every_shard(server):
+    ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=2, fetch_ahead=1,
+                            storage=aioload.Storage(retry=RETRY))
+    assert not ds.read_in_workers and ds.deal == "blocks"  # one fetcher for every worker, on the loader's loop
+    _, stats = epoch(ds, io_concurrency=8)
+    sizes = ds.shard_sizes.tolist()
+    assert stats.shard_fetches == 5 and stats.shard_fetch_bytes == sum(sizes)
+    assert stats.bytes_per_sample == pytest.approx(sum(sizes) / len(ds))
+    assert stats.shard_window_reads == len(ds)
+    # k + ahead shards, and the shards first needed by the 8 reads in flight beyond them (one)
+    assert 0 < stats.shard_window_peak_bytes <= (2 + 1 + 1) * max(sizes)
+    assert stats.shard_window_bytes == 0  # every shard freed after its last read
+    assert "window mode: 0.104 requests" in str(stats)
+
+
+def test_window_dir_keeps_fetched_shards_on_disk_and_removes_them(server, tmp_path):
+    folder = tmp_path / "window"
+    ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=2, window_dir=folder,
+                            storage=aioload.Storage(retry=RETRY))
+    rows, stats = epoch(ds)
+    assert stats.shard_fetches == 5 and server.ranges == []  # the workers read the staged copies
+    assert sorted(rows) == sorted(epoch(aioload.WebDataset(pattern(server, "aio"), decode=fingerprint))[0])
+    (staging,) = folder.iterdir()
+    assert len(list(staging.iterdir())) <= ds._window.grace  # freed shards, kept for late readers
+    del ds, stats
+    gc.collect()
+    assert list(folder.iterdir()) == []
+
+
+def test_a_staged_copy_deleted_before_its_reader_is_read_from_the_shard(server, tmp_path, monkeypatch):
+    monkeypatch.setattr("aioload._shards.dataset.STAGED_LAG", 0)  # delete each shard's file as it is freed
+    ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=2, window_dir=tmp_path / "w",
+                            storage=aioload.Storage(retry=RETRY))
+    assert ds._window.grace == 0
+    rows, _ = epoch(ds)
+    assert sorted(k for k, _, _ in rows) == sorted(ds.key(i) for i in range(len(ds)))
+    assert 1 <= len(server.ranges) <= 48  # the samples whose copy was gone: a range request each
+
+
+def test_without_a_plan_window_mode_still_reads_everything(server):
+    ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=2, storage=aioload.Storage(retry=RETRY))
+    sampler = torch.utils.data.RandomSampler(ds)  # a sampler of the user's: no epoch_order, no will_read
+    with aioload.DataLoader(ds, batch_size=6, sampler=sampler, num_workers=2) as loader:
+        keys = [k for batch in loader for k in batch[0]]
+        stats = loader.stats()
+    assert sorted(keys) == sorted(ds.key(i) for i in range(len(ds)))
+    # each read fetches its shard on demand (reads in flight may want every shard at once); once
+    # served, only the k most recently used are kept
+    assert stats.shard_fetches >= 5 and 0 < stats.shard_window_bytes <= 2 * max(ds.shard_sizes)
+
+
+def test_shards_without_sidecars_are_read_once_to_index_them(server):
+    aioload.WebDataset(pattern(server, "wds"), storage=aioload.Storage(retry=RETRY))
+    counted = server.requests
+    assert all(counted[f"wds-{i:06d}.tar"] == 2 for i in range(5))  # HEAD, and one GET to index it
+    assert all(counted[f"wds-{i:06d}.tar.index.json"] == 1 for i in range(5))  # looked for, not found
+    aioload.WebDataset(pattern(server, "wds"), storage=aioload.Storage(retry=RETRY))
+    assert server.requests[f"wds-{0:06d}.tar"] == 3  # the second time, a HEAD: the index is in the cache
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_5xx_answers_are_retried(server, window):
+    ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=window,
+                            storage=aioload.Storage(retry=RETRY))
+    server.script("aio-000002.tar", 503)  # once: the retry gets through
+    rows, stats = epoch(ds)
+    assert len(rows) == 48 and stats.skipped_total == 0
+    assert server.requests["aio-000002.tar"] == 1 + (11 if window is None else 2)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_a_shard_that_keeps_failing_names_itself_and_its_samples_are_skipped(server, window, caplog):
+    ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=window,
+                            storage=aioload.Storage(retry=RETRY))
+    url = server.url("aio-000003.tar")
+    server.script("aio-000003.tar", *[503] * 40)
+    with pytest.raises(aioload.RemoteReadError, match=rf"^GET {re.escape(url)} failed after 2 attempts; last "
+                                                      r"status: HTTP 503") as info:
+        epoch(ds, shuffle=False)
+    notes = "\n".join(info.value.__notes__)
+    assert re.search(rf"while reading dataset index 3\d \(shard {re.escape(url)}, sample 'class_\d+/img_\d+'\)$",
+                     notes)
+    assert len(set(re.findall(r"while reading dataset index (\d+)", notes))) == 1  # its own, not every failed one's
+    server.script("aio-000003.tar", *[503] * 40)
+    caplog.clear()
+    rows, stats = epoch(ds, on_error="skip")
+    shard3 = set(range(30, 40))
+    assert set(stats.skipped) == shard3
+    logged = [r.getMessage() for r in caplog.records if "skipped dataset index" in r.getMessage()]
+    assert len(logged) == 10
+    for line in logged:  # each skip names its own sample alone (window mode: one fetch failed them all)
+        index = re.match(r"on_error='skip': skipped dataset index (\d+)", line).group(1)
+        assert set(re.findall(r"while reading dataset index (\d+)", line)) == {index}
+    assert sorted(k for k, _, _ in rows) == sorted(ds.key(i) for i in range(48) if i not in shard3)
+
+
+def test_a_missing_shard_is_named_at_once(server):
+    url = server.url("nope-000000.tar")
+    with pytest.raises(FileNotFoundError, match=rf"^shard {re.escape(url)} does not exist \(HEAD {re.escape(url)} "
+                                                r"failed after 1 attempt; last status: HTTP 404"):
+        aioload.WebDataset([server.url("aio-000000.tar"), url], storage=aioload.Storage(retry=RETRY))
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_a_shard_cut_short_after_indexing_fails_its_lost_samples_clearly(server, window):
+    ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=window,
+                            storage=aioload.Storage(retry=RETRY))
+    path = server.root_path / "aio-000001.tar"
+    cut_at = int(ds._starts[15]) + 100
+    with open(path, "r+b") as f:
+        f.truncate(cut_at)
+    rows, stats = epoch(ds, on_error="skip")
+    assert set(stats.skipped) == set(range(15, 20))
+    assert len(rows) == 43
+    with pytest.raises(aioload.ShardError, match=rf"^shard {re.escape(server.url('aio-000001.tar'))}, sample "
+                                                 rf"{ds.key(17)!r}: 0 of the sample's \d+ bytes \(from byte \d+\) "
+                                                 r"came back: the shard is shorter than when it was indexed"):
+        ds[17]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("window", [None, 2])
+def test_a_hung_server_times_out_instead_of_hanging(server, window):
+    storage = aioload.Storage(retry=aioload.RetryPolicy(attempts=1, timeout=1.5))
+    ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=window, storage=storage)
+    server.script("aio-000000.tar", *["hang"] * 12)
+    with pytest.raises(aioload.RemoteReadError, match=r"no complete response within timeout=1\.5 s"):
+        epoch(ds, shuffle=False, read_timeout=20)
+
+
+# -- S3 through moto -----------------------------------------------------------------------------
+_MOTO = """
+import sys
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+print("port", server.get_host_and_port()[1], flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
+@pytest.fixture(scope="module")
+def s3(samples):
+    """moto's S3 on 127.0.0.1 with a bucket; the fsspec options that reach it."""
+    proc = subprocess.Popen([sys.executable, "-c", _MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if not line.startswith("port "):
+            raise RuntimeError(f"moto's S3 server did not start: {line!r}")
+        endpoint = f"http://127.0.0.1:{int(line.split()[1])}"
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
+                              aws_secret_access_key="testing", region_name="us-east-1")
+        client.create_bucket(Bucket="shards")
+        client.close()
+        yield {"key": "testing", "secret": "testing", "endpoint_url": endpoint,
+               "client_kwargs": {"region_name": "us-east-1"}}
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+        proc.stdout.close()
+
+
+def test_s3_shards_written_and_read_in_both_modes(s3, samples):
+    with aioload.ShardWriter("s3://shards/train-%06d.tar", maxcount=10, storage_options=s3) as w:
+        for key, data, target in samples:
+            w.write({"__key__": key, "jpg": data, "cls": target})
+    assert w.urls[-1] == "s3://shards/train-000004.tar"
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **s3)
+    assert fs.exists("shards/train-000004.tar.index.json")
+    storage = aioload.Storage(storage_options=s3, retry=RETRY)
+    expected = {key: target for key, _, target in samples}
+    for window in (None, 2):
+        ds = aioload.WebDataset("s3://shards/train-{000000..000004}.tar", decode=fingerprint, window=window,
+                                storage=storage)
+        rows, stats = epoch(ds)
+        assert {k: c for k, _, c in rows} == expected
+        assert stats.requests_per_sample == pytest.approx(1.0 if window is None else 5 / 48)
+    missing = "s3://shards/train-000009.tar"
+    with pytest.raises(FileNotFoundError, match=rf"^shard {missing} does not exist"):
+        aioload.WebDataset(missing, storage=storage)
+    assert _scope.open_scopes() == 0
