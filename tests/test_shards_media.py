@@ -83,3 +83,16 @@ def test_a_corrupt_video_member_names_its_key_and_shard(tmp_path):
         with pytest.raises(aioload.ShardError, match=r"member broken\.mp4 of shard .*bad-000\.tar does not "
                                                      r"decode as 'mp4'"):
             list(loader)
+
+
+def test_a_mix_of_shard_datasets_reports_their_shard_statistics(shards):
+    urls, members = shards
+    windowed = aioload.WebDataset(urls, window=2)
+    other = aioload.WebDataset(urls)
+    mix = aioload.Mix({"window": windowed, "uniform": other}, {"window": 1, "uniform": 1})
+    with aioload.DataLoader(mix, batch_size=4, shuffle=True, num_workers=1, seed=0) as loader:
+        keys = [key for batch in loader for key in batch["__key__"]]
+        stats = loader.stats()
+    assert sorted(keys) == sorted([m["__key__"] for m in members] * 2)  # 6 from each source: none repeats
+    assert stats.per_source == {"window": 6, "uniform": 6}
+    assert stats.shard_mode == "window"

@@ -140,6 +140,24 @@ class Mix(Dataset):
             if callable(hint):
                 hint(local)
 
+    def io_figures(self) -> dict[str, Any]:
+        """The sources' own I/O figures for ``loader.stats()`` (a WebDataset's shard fetches),
+        added up; ``shard_mode`` is ``"window"`` if any source fetches whole shards."""
+        merged: dict[str, Any] = {}
+        modes = set()
+        for source in self.sources:
+            figures = getattr(source, "io_figures", None)
+            if not callable(figures):
+                continue
+            for name, value in figures().items():
+                if name == "shard_mode":
+                    modes.add(value)
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    merged[name] = merged.get(name, 0) + value
+        if modes:
+            merged["shard_mode"] = "window" if "window" in modes else sorted(modes)[0]
+        return merged
+
     # -- loading ------------------------------------------------------------------------------
     @property
     def read_in_workers(self) -> bool:
