@@ -1,6 +1,7 @@
 """Elastic resume with real ``torchrun`` ranks (gloo on 127.0.0.1): a state saved on 4 ranks
 resumes on 2 and on 3, one saved on 2 resumes on 4 (tests/frameworks/elastic_run.py), for a
-map-style dataset and an ``aioload.Mix`` whose weights changed before the save.
+map-style dataset, an ``aioload.Mix`` whose weights changed before the save, and WebDataset
+shards in window mode (dealt to ranks in contiguous blocks).
 
 The reference is the uninterrupted run on the saving world: its batches after the ones the
 saved run had delivered are the rest of the epoch, which the new ranks share, each sample once
@@ -11,19 +12,28 @@ next epoch is what a fresh run on the new world gives (computed here from the sa
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 
 import pytest
 
-from tests.frameworks.elastic_run import BATCH, LATER, SEED, loader_of, datasets
+from tests.frameworks.elastic_run import BATCH, LATER, SEED, datasets, loader_of, write_shards
 from tests.frameworks.launch import LAUNCH_TIMEOUT, torchrun
 
 pytestmark = [pytest.mark.timeout(5 * LAUNCH_TIMEOUT), pytest.mark.slow]
 K = 3  # batches delivered on each rank before the save
 
 
+@pytest.fixture(scope="module", autouse=True)
+def shards(tmp_path_factory):
+    """The WebDataset kind's shards, named to the ranks (and to this process) by the environment."""
+    os.environ["AIOLOAD_ELASTIC_SHARDS"] = write_shards(str(tmp_path_factory.mktemp("elastic-shards")))
+    yield
+    del os.environ["AIOLOAD_ELASTIC_SHARDS"]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, shards):
     out = tmp_path_factory.mktemp("elastic")
     torchrun("elastic_run.py", [str(out), "--save", str(K)], nproc=4)
     torchrun("elastic_run.py", [str(out), "--resume", str(out / "state.4.json"), "--tag", "4to2",
@@ -59,7 +69,7 @@ def fresh_epoch(kind: str, world: int, rank: int, epoch: int) -> list[list[int]]
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["map", "mix"])
+@pytest.mark.parametrize("kind", ["map", "mix", "shards"])
 @pytest.mark.parametrize("saved_on,resumed_on", [(4, 2), (4, 3), (2, 4)])
 def test_the_rest_of_the_epoch_is_shared_by_the_new_ranks(runs, kind, saved_on, resumed_on):
     full = [rank[kind] for rank in runs(f"full.{saved_on}", saved_on)]
@@ -74,7 +84,7 @@ def test_the_rest_of_the_epoch_is_shared_by_the_new_ranks(runs, kind, saved_on, 
     assert counts[0] == -(-(sum(rest.values()) + pad) // resumed_on // BATCH)
 
 
-@pytest.mark.parametrize("kind", ["map", "mix"])
+@pytest.mark.parametrize("kind", ["map", "mix", "shards"])
 @pytest.mark.parametrize("saved_on,resumed_on", [(4, 2), (4, 3), (2, 4)])
 def test_the_next_epoch_is_what_the_new_world_gives(runs, kind, saved_on, resumed_on):
     resumed = [rank[kind] for rank in runs(f"resume.{saved_on}to{resumed_on}", resumed_on)]

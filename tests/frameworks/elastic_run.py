@@ -7,7 +7,9 @@ Run by tests/test_elastic.py::
 that delivers K batches, changes a mix's weights after the first, and rank 0 writes its state to
 ``OUT/state.W.json``. ``--resume STATE``: every rank loads that file and runs the rest of its
 epoch and the next one (``OUT/resume.T.rank<r>.json``). Each file holds, per dataset kind, the
-batches of each epoch as lists of indices.
+batches of each epoch as lists of indices: a map-style dataset, a mix, and (when
+``AIOLOAD_ELASTIC_SHARDS`` names them) WebDataset shards read in window mode, whose order is
+dealt in contiguous blocks.
 """
 
 from __future__ import annotations
@@ -40,10 +42,26 @@ class Indices(aioload.Dataset):
 
 
 def datasets() -> dict:
-    return {
+    found = {
         "map": Indices(N),
         "mix": aioload.Mix({"a": Indices(40), "b": Indices(30, offset=1000)}, {"a": 1.0, "b": 1.0}),
     }
+    shards = os.environ.get("AIOLOAD_ELASTIC_SHARDS")
+    if shards:  # tar shards of N samples whose "idx" member is the sample's number
+        found["shards"] = aioload.WebDataset(shards, decode=index_of, window=2)
+    return found
+
+
+def index_of(sample: dict) -> int:
+    return int(sample["idx"])
+
+
+def write_shards(root: str) -> str:
+    """N samples in shards of 6, written by aioload.ShardWriter; their URL pattern."""
+    with aioload.ShardWriter(os.path.join(root, "part-%03d.tar"), maxcount=6) as sink:
+        for i in range(N):
+            sink.write({"__key__": f"{i:04d}", "idx": i})
+    return os.path.join(root, "part-{000..%03d}.tar" % (N // 6 - 1))
 
 
 def loader_of(dataset) -> aioload.DataLoader:
