@@ -43,9 +43,12 @@ class TarError(ValueError):
     """A header that is not a tar header (bad checksum, a number that does not parse), or an
     archive that ends inside one. ``offset`` is where, in the archive or the range read."""
 
-    def __init__(self, message: str, offset: int):
+    def __init__(self, message: str, offset: int | None = None):
         super().__init__(message)
         self.offset = offset
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.offset), self.__dict__)
 
 
 @dataclass(frozen=True)
