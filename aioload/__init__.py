@@ -4,7 +4,8 @@ from aioload import transforms
 from aioload._storage.cache import CacheStats, MemoryCache
 from aioload._dataset import Dataset
 from aioload._storage.diskcache import DiskCache
-from aioload._errors import DataLoaderTimeoutError, LoaderClosedError, TooManyErrorsError, WorkerCrashedError
+from aioload._errors import (BlockingReadWarning, DataLoaderTimeoutError, LoaderClosedError, TooManyErrorsError,
+                             WorkerCrashedError)
 from aioload._loader import DataLoader
 from aioload._storage.retry import RemoteReadError, RetryPolicy
 from aioload._observe.stats import LoaderStats
@@ -32,6 +33,7 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_IMAGES])
 
 __all__ = [
+    "BlockingReadWarning",
     "CacheStats",
     "DataLoader",
     "DataLoaderTimeoutError",

@@ -28,6 +28,7 @@ import math
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -537,6 +538,9 @@ class StatsRecorder:
     def __init__(self):
         self._lock = threading.Lock()
         self.worker_pids: Callable[[], list[int | None]] = list  # set by the loader: its workers' pids
+        # A BlockingReadWarning found where the reads run, for the consumer's thread to warn
+        # with; then True (once per loader: not reset with the counters).
+        self.stall: Warning | bool | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -582,6 +586,18 @@ class StatsRecorder:
         self.read_s += sum(latencies)
         for seconds in latencies:
             self._keep_latency(seconds)
+
+    def read_stalled(self, warning: Warning) -> None:
+        """A ``read`` blocks its event loop: the consumer warns with ``warning``, once."""
+        if self.stall is None:
+            self.stall = warning
+
+    def warn_stalled(self) -> None:
+        """In the consumer's thread: the stall warning, if one waits (once per loader)."""
+        stall = self.stall
+        if isinstance(stall, Warning):
+            self.stall = True
+            warnings.warn(stall, stacklevel=4)
 
     def _keep_latency(self, seconds: float) -> None:
         """Into the ring of the :attr:`RING` most recent read latencies."""
