@@ -217,3 +217,25 @@ def tokens_held(hold: float) -> tuple[int, list]:
 
     time.sleep(hold)
     return os.getpid(), executor.known_tokens()
+
+
+class BlocksInRead(aioload.Dataset):
+    """``read`` calls ``time.sleep``: a blocking call inside ``async def read``. With
+    ``only_first``, only the first read blocks (a one-off set-up, not a habit)."""
+
+    def __init__(self, n: int = 30, block: float = 0.06, only_first: bool = False):
+        self.n, self.block, self.only_first = n, block, only_first
+        self.blocked = False
+
+    def __len__(self) -> int:
+        return self.n
+
+    async def read(self, i):
+        if not (self.only_first and self.blocked):
+            self.blocked = True
+            time.sleep(self.block)
+        await asyncio.sleep(0)
+        return i
+
+    def decode(self, i):
+        return torch.tensor([i])

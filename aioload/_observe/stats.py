@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import time
 import warnings
@@ -521,6 +522,17 @@ SKIPPED_KEPT = 10_000
 """How many skipped indices ``stats().skipped`` lists; ``skipped_total`` counts them all."""
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _outside_frames() -> int:
+    """The ``stacklevel`` of the first caller outside aioload (the loop that iterates a loader)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class StatsRecorder:
     """Cheap counters; read latencies are kept in a fixed-size ring for percentiles.
 
@@ -597,7 +609,7 @@ class StatsRecorder:
         stall = self.stall
         if isinstance(stall, Warning):
             self.stall = True
-            warnings.warn(stall, stacklevel=4)
+            warnings.warn(stall, stacklevel=_outside_frames())
 
     def _keep_latency(self, seconds: float) -> None:
         """Into the ring of the :attr:`RING` most recent read latencies."""
