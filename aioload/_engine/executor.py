@@ -761,6 +761,7 @@ class ExecutorStage:
                 and hasattr(os, "memfd_create"):
             blob = self.blob()
             self._shared = SharedDataset(self.token, blob)
+            self._blob = None  # the shared copy serves; a process that cannot open it gets a fresh pickle
             self.dataset_sends += 1
             self.dataset_bytes += len(blob)
         if self.client is None or self._plugin is not None:
