@@ -213,7 +213,7 @@ def failing_init(worker_id: int) -> None:
 def tokens_held(hold: float) -> tuple[int, list]:
     """This process's pid and the loaders whose datasets it keeps, after keeping it busy
     ``hold`` seconds (so that the next such task goes to another process)."""
-    from aioload._engine import executor
+    from aioload._engine import executor_process as executor
 
     time.sleep(hold)
     return os.getpid(), executor.known_tokens()

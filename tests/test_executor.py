@@ -15,6 +15,7 @@ import torch
 
 import aioload
 from aioload._engine import executor as _executor
+from aioload._engine import executor_process
 from tests.executor_data import Augmented, KillsItsProcess, Pids, PlainAugmented, Unpickled, getpid
 from tests.httpserver import Server
 
@@ -129,7 +130,7 @@ def test_threads_share_the_dataset_and_forget_it_on_close(threads):
     with aioload.DataLoader(dataset, batch_size=4, executor=threads) as loader:
         list(loader)
         token = loader._res.executor.token
-        assert _executor._known[token][0] is dataset  # the trainer's own object: nothing pickled
+        assert executor_process._known[token][0] is dataset  # the trainer's own object: nothing pickled
     assert token not in _executor.known_tokens()
 
 

@@ -4,7 +4,7 @@ Sent with each task, a 50 MiB dataset travelled once per task in flight (each co
 graph" warning); sent on demand, each new process would cost a round trip. A registered
 plugin is sent by the scheduler to every worker once, also to workers that join later (a
 worker that a nanny restarts); its ``setup`` installs the dataset there
-(:func:`aioload._engine.executor.install`: torch's ``WorkerInfo``, the seeds, ``worker_init_fn``),
+(:func:`aioload._engine.executor_process.install`: torch's ``WorkerInfo``, the seeds, ``worker_init_fn``),
 and ``teardown`` -- when the loader closes and unregisters it -- drops it. Imported only where
 Dask is in use (the workers import it to unpickle the plugin).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from aioload._engine import executor as _executor
+from aioload._engine import executor_process as _executor
 
 
 class DatasetPlugin(WorkerPlugin):
