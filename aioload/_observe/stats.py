@@ -31,6 +31,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field, fields, replace
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable
 
 DATA_BOUND = 0.10
@@ -527,7 +528,8 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 def _outside_frames() -> int:
     """The ``stacklevel`` of the first caller outside aioload (the loop that iterates a loader)."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level
