@@ -326,11 +326,14 @@ class ExecutorStage:
             forget(token)
             return
         if self.client is not None:
-            try:
-                if plugin is not None:
+            if plugin is not None:
+                try:
                     self.client.unregister_worker_plugin(plugin)  # its teardown forgets, on every worker
-                self.client.run(forget, token)
-            except Exception:  # noqa: BLE001 - a cluster already gone holds nothing of ours
+                except Exception:  # noqa: BLE001 - a cluster already gone holds nothing of ours
+                    pass
+            try:
+                self.client.run(forget, token)  # also where a task carried it (a worker the plugin missed)
+            except Exception:  # noqa: BLE001
                 pass
         elif isinstance(self.executor, concurrent.futures.ProcessPoolExecutor):
             forget_in_pool(self.executor, token)

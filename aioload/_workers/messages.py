@@ -7,9 +7,9 @@ socket; slot memory travels on its control socket, as file descriptors.
 
 Pool to worker, in the order a worker sees them in an epoch: :class:`StartEpoch`, then
 :class:`Task` and :class:`DropSlots` in any order, :class:`CancelReads` when an epoch ends
-early, and :class:`Shutdown` when the loader stops its workers. Worker to pool: :class:`WorkerReady` or :class:`InitError` once, when it has
-started; then one :class:`Done` (or, for an ``IterableDataset``, :class:`Stopped`) per task,
-in the order the tasks came.
+early, and :class:`Shutdown` when the loader stops its workers. Worker to pool:
+:class:`WorkerReady` or :class:`InitError` once, when it has started; then one :class:`Done`
+(or, for an ``IterableDataset``, :class:`Stopped`) per task, in the order the tasks came.
 """
 
 from __future__ import annotations
