@@ -250,3 +250,26 @@ def test_closing_the_loader_drops_its_dataset_in_every_process_of_a_pool(trial):
         left = {pid: tokens for pid, tokens in every_process(pool, tokens_held, 0.05).items()
                 if token in tokens}
     assert left == {}, f"processes {sorted(left)} kept the closed loader's dataset"
+
+
+def memfds(pid: int) -> list[str]:
+    """The shared copies of a dataset that process ``pid`` holds a descriptor of."""
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:aioload-dataset"):
+            held.append(target)
+    return held
+
+
+def test_no_process_keeps_the_shared_copy_of_a_closed_loaders_dataset():
+    with concurrent.futures.ProcessPoolExecutor(2) as pool:
+        with aioload.DataLoader(Augmented(32), batch_size=2, executor=pool, num_workers=8) as loader:
+            list(loader)
+            assert memfds(os.getpid())  # the trainer holds it while the loader lives
+        assert memfds(os.getpid()) == []
+        for pid in pool._processes:  # forked after it was made, each took it and let its copy go
+            assert memfds(pid) == [], f"process {pid} still holds the dataset's shared memory"

@@ -377,9 +377,22 @@ class SharedDataset:
                 os.pwrite(f.fileno(), _SHARED_HEADER.pack(found, taken + 1, size), 0)
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
                 blob = os.pread(f.fileno(), size, _SHARED_HEADER.size)
+                _drop_inherited(path, os.fstat(f.fileno()))
         except OSError:
             return None
         return (blob, taken) if len(blob) == size else None
+
+
+def _drop_inherited(path: str, memory: os.stat_result) -> None:
+    """A process forked from the trainer after it made the shared copy holds its descriptor
+    too, which would keep the memory after the loader closes: close that copy once it is read."""
+    number = int(path.rsplit("/", 1)[1])
+    try:
+        held = os.fstat(number)
+    except OSError:
+        return  # not inherited
+    if (held.st_ino, held.st_dev) == (memory.st_ino, memory.st_dev):
+        os.close(number)
 
 
 def run_job(job: Job, blob: bytes | None = None, local: tuple | None = None, nonce: str = "",
