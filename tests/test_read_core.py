@@ -12,7 +12,7 @@ import pytest
 
 import aioload
 from aioload._dataset import NOT_READY
-from aioload._reads import STALL_READS, STALL_STEP, BatchReads, FailedRead, StallMeter, Watch
+from aioload._reads import STALL_READS, STALL_SAMPLE, STALL_STEP, BatchReads, FailedRead, StallMeter, Watch
 
 
 class Store(aioload.Dataset):
@@ -104,6 +104,17 @@ def test_the_stall_meter_finds_reads_that_block_and_says_so_once():
     assert stall is not None and stall.reads == STALL_READS and stall.blocked_s >= 1.0
     assert stall.longest_s >= STALL_STEP and stall.index in range(20)
     assert meter.take() is None  # reported once
+
+
+def test_once_reads_are_sampled_a_habit_of_blocking_is_still_found():
+    meter = StallMeter()
+    read(Store(), list(range(STALL_SAMPLE * STALL_SAMPLE)), read_timeout=None, meter=meter)  # each one timed
+    assert meter.take() is None and meter.begin() == 0  # from here on, one read in STALL_SAMPLE
+    store = Store(block=STALL_STEP * 1.1)
+    read(store, list(range(STALL_SAMPLE * 4)), read_timeout=None, bound=1, meter=meter)
+    stall = meter.take()
+    assert stall is not None and stall.reads == STALL_READS
+    assert stall.blocked_s == pytest.approx(STALL_SAMPLE * 4 * STALL_STEP * 1.1, rel=0.5)  # each timed read stands for 16
 
 
 def test_reads_that_await_leave_the_meter_quiet():
