@@ -64,10 +64,12 @@ def executor_of(kind: str, request):
 
 
 # -- 1. seed= on a worker with several threads -----------------------------------------------------
-def test_seeded_batches_on_a_threaded_dask_worker_equal_the_built_in_pools(threaded_dask):
-    assert list(threaded_dask.nthreads().values()) == [2]
+@pytest.mark.parametrize("kind", ["threaded_dask", "processes"])
+def test_seeded_batches_on_a_threaded_dask_worker_equal_the_built_in_pools(kind, request):
+    if kind == "threaded_dask":
+        assert list(request.getfixturevalue(kind).nthreads().values()) == [2]
     expected = run(TwoDraws(16), epochs=2, shuffle=True, seed=3, num_workers=2)
-    got = run(TwoDraws(16), epochs=2, shuffle=True, seed=3, executor=threaded_dask.get_executor(), num_workers=4)
+    got = run(TwoDraws(16), epochs=2, shuffle=True, seed=3, executor=executor_of(kind, request), num_workers=4)
     for epoch_got, epoch_expected in zip(got, expected):
         assert len(epoch_got) == len(epoch_expected) == 4
         for (x, i), (y, j) in zip(epoch_got, epoch_expected):
