@@ -422,6 +422,8 @@ def run_job(job: Job, blob: bytes | None = None, local: tuple | None = None, non
     if known is None:
         return NEED_DATASET, os.getpid()
     dataset, collate, split, info, meter = known
+    if info is not None:
+        torch_worker._worker_info = info  # get_worker_info() in the dataset's read, decode, __getitem__
     items = job.items
     errors: list = []
     raws: list = [raw for _, raw in items]
@@ -434,7 +436,7 @@ def run_job(job: Job, blob: bytes | None = None, local: tuple | None = None, non
         own_random = _RANDOM.own()
     with _GENERATORS.exclusive() if job.per_sample else _GENERATORS.shared(), own_random:
         if info is not None:
-            torch_worker._worker_info = info  # get_worker_info() in the dataset's code
+            torch_worker._worker_info = info  # again: another loader's task may have set its own meanwhile
         samples, batch = _load(job, dataset, collate, split, items, raws, errors)
     if batch is not None and job.to_numpy:
         batch = _outward(batch)
