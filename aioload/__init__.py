@@ -4,7 +4,8 @@ from aioload import transforms
 from aioload._storage.cache import CacheStats, MemoryCache
 from aioload._dataset import Dataset
 from aioload._storage.diskcache import DiskCache
-from aioload._errors import DataLoaderTimeoutError, LoaderClosedError, TooManyErrorsError, WorkerCrashedError
+from aioload._errors import (BlockingReadWarning, DataLoaderTimeoutError, LoaderClosedError, TooManyErrorsError,
+                             WorkerCrashedError)
 from aioload._loader import DataLoader
 from aioload._media.audio import AudioFiles
 from aioload._media.frombytes import count_clips, decode_audio, decode_clip
@@ -42,6 +43,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AudioFiles",
+    "BlockingReadWarning",
     "CacheStats",
     "DataLoader",
     "DataLoaderTimeoutError",

@@ -77,6 +77,8 @@ class EpochContext:
     def delivered(self, samples: int, waited: float) -> None:
         """A batch was handed over after ``waited`` seconds inside ``__next__``."""
         self.stats.delivered(samples, waited)
+        if self.stats.stall is not None:
+            self.stats.warn_stalled()  # a read blocks its loop: said here, in the training loop's thread
         if self.progress is not None:
             self.progress.taken += 1
         if self.monitor is not None:
@@ -85,6 +87,8 @@ class EpochContext:
     def ended(self, waited: float) -> None:
         """``__next__`` found the end of the epoch after ``waited`` seconds."""
         self.stats.end_epoch(waited)
+        if self.stats.stall is not None:
+            self.stats.warn_stalled()
         if self.monitor is not None:
             self.monitor.end_epoch()
 

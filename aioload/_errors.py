@@ -7,6 +7,7 @@ import pickle
 import traceback
 
 __all__ = [
+    "BlockingReadWarning",
     "DataLoaderTimeoutError",
     "LoaderClosedError",
     "TooManyErrorsError",
@@ -64,6 +65,28 @@ class TooManyErrorsError(_Rebuildable, RuntimeError):
     last failure is its ``__cause__``."""
 
 
+class BlockingReadWarning(RuntimeWarning):
+    """A dataset's ``async def read`` blocks its event loop: steps of it run long without
+    awaiting (``time.sleep``, a synchronous HTTP client), so the other reads in flight and
+    ``read_timeout`` wait. Warned once per loader, from the thread that iterates it; see
+    docs/troubleshooting.md."""
+
+
+def where(describe, index) -> str:
+    """`` (path)`` for error notes when the dataset can say where ``index`` lives, else ``""``."""
+    if describe is None or isinstance(index, list):
+        return ""
+    try:
+        found = describe(index)
+    except Exception:  # noqa: BLE001 - a note must never hide the real error
+        return ""
+    return "" if found is None else f" ({found})"
+
+
+SKIP_HINT = "; on_error='skip' leaves such samples out and goes on"
+"""Appended to the note of a sample whose decode (or ``__getitem__``) failed and was raised."""
+
+
 def crash_message(pid: int | None, exitcode: int | None) -> str:
     """How a dead worker is reported, worded as torch words it (log filters and code match
     ``DataLoader worker (pid N) is killed by signal: ...``)."""
@@ -96,8 +119,15 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 def pack_exception(exc: BaseException) -> bytes:
-    """Pickle an exception raised in a worker, keeping its type, message and traceback."""
-    text = "".join(traceback.format_exception(exc))
+    """Pickle an exception raised in a worker, keeping its type, message, notes and traceback
+    (whose text leaves the notes out: they travel with the exception, and said twice they would
+    read as two)."""
+    notes = exc.__dict__.pop("__notes__", None)
+    try:
+        text = "".join(traceback.format_exception(exc))
+    finally:
+        if notes is not None:
+            exc.__notes__ = notes
     try:
         blob = pickle.dumps(exc)
         pickle.loads(blob)
@@ -106,11 +136,13 @@ def pack_exception(exc: BaseException) -> bytes:
     return pickle.dumps((blob, type(exc).__qualname__, str(exc), text))
 
 
-def unpack_exception(packed: bytes, where: str) -> BaseException:
-    """Rebuild an exception packed by :func:`pack_exception`, with notes saying where it came from."""
+def unpack_exception(packed: bytes, where: str | None) -> BaseException:
+    """Rebuild an exception packed by :func:`pack_exception`, with notes saying where it came
+    from (``where``, unless ``None``: its own notes say so already) and its traceback."""
     blob, type_name, message, text = pickle.loads(packed)
     exc = pickle.loads(blob) if blob is not None else RuntimeError(f"{type_name}: {message}")
-    exc.add_note(where)
+    if where is not None:
+        exc.add_note(where)
     exc.add_note("Original traceback:\n" + text.rstrip())
     return exc
 

@@ -190,7 +190,7 @@ class DataLoader(Generic[_T_co]):
                 "go on after it raised; catch errors inside __iter__ instead"
             )
         if executor is not None:
-            _executor.check_executor(executor, dataset, seed)
+            _executor.check_executor(executor, dataset, seed, worker_init_fn)
         elif num_workers == 0 and timeout:
             raise ValueError("timeout applies to worker processes: use it with num_workers > 0")
         self.dataset = dataset
@@ -237,7 +237,7 @@ class DataLoader(Generic[_T_co]):
         self.read_in_workers = read_in_workers
         if executor is not None:
             self._res.executor = _executor.ExecutorStage(executor, dataset, self._torch.collate_fn, self._split,
-                                                         read_here=read_on_executor)
+                                                         read_here=read_on_executor, worker_init_fn=worker_init_fn)
         _LIVE.add(self._res)
         self._finalizer = weakref.finalize(self, _finalize_loader, self._res)
         self._initialized = True
@@ -572,6 +572,10 @@ class DataLoader(Generic[_T_co]):
         called = len_called(self._torch, self._iterable)
         batches = None if self._iterable else _len_or_none(self)
         settings = self._begin_epoch()
+        if self._res.executor is not None:  # the loader's collate_fn and worker_init_fn now, as for a new pool
+            stage = self._res.executor
+            stage.configure(settings.collate_fn, settings.worker_init_fn,
+                            keep=self.persistent_workers and stage.batches > 0)
         plan = self._plan()
         engine, ready, transfer = self._engine_for(plan, settings)
         ctx = self._context(plan, engine.budget, called, batches, resources=self._res,

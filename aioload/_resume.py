@@ -52,6 +52,9 @@ _SEED_MAX = 2**63 - 1  # base seeds are drawn as non-negative int64, or derived 
 _EPOCH_MAX = 2**63 - 1
 _RNG_BYTES = torch.Generator().get_state().numel()
 _PERSISTENT = "drawn once (persistent workers)"
+UNSIZED_BATCHES = 2**32
+"""The most batches a saved epoch of a sampler without ``len()`` is taken to have (at 10,000
+batches a second, five days): a state that says more was delivered is refused at load."""
 
 ITERABLE_MIDDLE = (
     "the position inside an epoch of an IterableDataset is not saved: aioload cannot know how "
@@ -441,14 +444,16 @@ def _check_progress(prog, exp: Expected, world: int | None) -> dict:
         _int(order_seed, "progress.order_seed", 0, _SEED_MAX)
     segments = _check_segments(prog.get("segments", []), exp)
     n = exp.batches
-    of_n = "" if n is None else f" (an epoch of this loader has {n} batches)"
+    of_n = f" (an epoch of this loader has {n} batches)" if n is not None else (
+        f" (this loader's sampler has no len(); its epochs are taken to have at most {UNSIZED_BATCHES} batches)")
+    top = n if n is not None else UNSIZED_BATCHES
     if exp.elastic and world is not None and (segments or world != exp.config["world_size"]):
-        n, of_n = None, ""  # another world's position: the planner checks it against that world
+        top, of_n = _EPOCH_MAX, ""  # another world's position: the planner checks it against that world
     delivered = _keys(prog["delivered"], "progress.delivered", ("below", "also"))
-    below = _int(delivered["below"], "progress.delivered.below", 0, n, of_n)
+    below = _int(delivered["below"], "progress.delivered.below", 0, top, of_n)
     also = _seq(delivered["also"], "progress.delivered.also")
     for i, seq in enumerate(also):
-        _int(seq, f"progress.delivered.also[{i}]", below + 1, None if n is None else n - 1, of_n)
+        _int(seq, f"progress.delivered.also[{i}]", below + 1, top - 1, of_n)
     if len(set(also)) != len(also):
         raise _fail("progress.delivered.also", "lists a batch twice")
     inexact = prog.get("inexact")
@@ -467,7 +472,10 @@ def _check_progress(prog, exp: Expected, world: int | None) -> dict:
         if rank is not None:
             raise _fail("progress.rank", "must be None without progress.batches")
         return dict(out, batches=None)
-    decoded = _check_batches(batches, set(range(below)) | set(also), exp)
+    if n is None:
+        raise _fail("progress.batches", "must be None: this loader's sampler has no len(), so the rest of its "
+                                        "epoch is never written out (such a state resumes by replaying the sampler)")
+    decoded = _check_batches(batches, below, also, exp)
     if "rank" in prog and _int(rank, "progress.rank", 0, None) != exp.rank:
         raise ResumeError(
             f"this state lists the remaining indices of rank {rank} (its sampler cannot be replayed, so "
@@ -508,7 +516,10 @@ def check_position(path: str, below: int, also, batches: int, world: int) -> Non
         _int(number, where, below + 1, batches - 1, of_n)
 
 
-def _check_batches(batches, delivered: set, exp: Expected) -> list:
+def _check_batches(batches, below: int, also, exp: Expected) -> list:
+    """The remaining batches, which with the delivered ones (every batch below ``below``, and
+    ``also``) must account for the epoch's batches from 0, each once; checked in the length of
+    the lists, never of the epoch (``below`` may be millions)."""
     n = exp.batches
     of_n = "" if n is None else f" (an epoch of this loader has {n} batches)"
     out = []
@@ -523,12 +534,12 @@ def _check_batches(batches, delivered: set, exp: Expected) -> list:
         last = seq
         _check_indices(pair[1], f"{path}[1]", exp)
         out.append((seq, _unplain(pair[1])))
-    covered = delivered | {seq for seq, _ in out}
-    if covered != set(range(len(covered))):
-        gap = min(set(range(len(covered) + 1)) - covered)
+    beyond = sorted(set(also) | {seq for seq, _ in out if seq >= below})  # what follows the batches below
+    gap = next((below + i for i, seq in enumerate(beyond) if seq != below + i), None)
+    if gap is not None:
         raise _fail("progress.batches", f"leaves out batch {gap}: with progress.delivered, it must account "
                                         "for every batch of the epoch from 0")
-    if n is not None and n > 0 and not covered:
+    if n is not None and n > 0 and not below and not beyond:
         raise _fail("progress.batches", f"is empty with nothing delivered: an epoch of this loader has {n} batches")
     return out
 
@@ -552,8 +563,9 @@ def _check_indices(value, path: str, exp: Expected) -> None:
 
 
 def _check_index(value, path: str, exp: Expected) -> None:
-    """A sample index: an int within the dataset, a string, or a list or tuple of such data
-    (a sampler's own keys, passed to the dataset as they are)."""
+    """A sample index: an int within the dataset, a string, a list of indices (passed to the
+    dataset as one item, each of its ints an index within it too), or a tuple (a sampler's own
+    key, passed as it is)."""
     if isinstance(value, bool):
         raise _fail(path, "must be an index, got a bool")
     if isinstance(value, int):
@@ -562,6 +574,9 @@ def _check_index(value, path: str, exp: Expected) -> None:
             bound = ("an index >= 0" if length is None
                      else f"an index in [0, {length - 1}] (the dataset has {length} samples)")
             raise _fail(path, f"must be {bound}, got {value}")
+    elif isinstance(value, list):
+        for j, item in enumerate(value):  # nested at most MAX_DEPTH deep (_check_plain)
+            _check_index(item, f"{path}[{j}]", exp)
     elif isinstance(value, dict):
         _tagged(value, path)
     elif value is None:

@@ -155,3 +155,76 @@ def test_a_prepared_loader_refuses_a_bare_loaders_state():
                                              r"PreparedLoader\.state_dict\(\) returned"):
             prepared.load_state_dict(loader.state_dict())
         prepared.load_state_dict(prepared.state_dict())  # its own state loads
+
+
+class _Key:
+    """A sampler's key that a state cannot write out: the loader's state stands for its epoch's start."""
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+class _KeyedSampler:
+    def __len__(self) -> int:
+        return 12
+
+    def __iter__(self):
+        return iter([_Key(i) for i in range(12)])
+
+
+class _Keyed:
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, key):
+        return key.i
+
+
+def test_after_an_inexact_resume_the_prepared_loader_counts_the_epoch_from_its_start():
+    import aioload
+    from aioload._resume import ResumeWarning
+    from aioload.integrations.accelerate import PreparedLoader
+
+    def make():
+        return PreparedLoader(aioload.DataLoader(_Keyed(), batch_size=2, sampler=_KeyedSampler()))
+
+    prepared = make()
+    for _, batch in zip(range(3), prepared):
+        pass
+    state = prepared.state_dict()
+    prepared.loader.close()
+    assert state["delivered"] == 3 and state["loader"]["progress"]["inexact"] is not None
+    resumed = make()
+    with pytest.warns(ResumeWarning, match="resumes epoch 0 from its start"):
+        resumed.load_state_dict(state)
+    ends = []
+    for batch in resumed:
+        ends.append(resumed.end_of_dataloader)
+    resumed.loader.close()
+    assert len(ends) == 6  # the whole epoch again, as the warning said
+    assert ends == [False] * 5 + [True]  # its end where it is, not 3 batches early
+
+
+def test_a_prepared_loaders_delivered_count_is_checked_at_load():
+    import aioload
+    from aioload._resume import ResumeError
+    from aioload.integrations.accelerate import PreparedLoader
+
+    with aioload.DataLoader(range(12), batch_size=2) as loader:
+        prepared = PreparedLoader(loader)
+        for _, batch in zip(range(2), prepared):
+            pass
+        state = prepared.state_dict()
+        assert state["delivered"] == 2
+        for bad in ("x", True, -1, 100):
+            with pytest.raises(ResumeError, match=r"^cannot load this state: delivered must be an int in \[0, 6\] "
+                                                  r"\(an epoch has 6 batches\), the batches of the epoch in progress "
+                                                  rf"the training loop received, got {bad!r}"):
+                PreparedLoader(loader).load_state_dict(dict(state, delivered=bad))
+        with pytest.raises(ResumeError, match=r"^cannot load this state: delivered is 5, but its loader state resumes "
+                                              r"the epoch after 2 batches"):
+            PreparedLoader(loader).load_state_dict(dict(state, delivered=5))
+        again = PreparedLoader(loader)
+        again.load_state_dict(state)
+        ends = [again.end_of_dataloader for _ in again]
+    assert ends == [False, False, False, True]  # batches 3-6 of 6

@@ -53,3 +53,20 @@ def test_the_table_has_every_loader_in_both_cases_with_the_bytes_per_batch(tmp_p
             assert kib == "-" and p50 == "-", (case, name, cells)
     assert rows["local", "built-in pool"][1] == "1.00x" and rows["local", "torch DataLoader"][2] == "1.00x"
     assert "run: benchmarks/executor.py --data" in out and re.search(r"\d+ CPUs", out), out  # how it was run
+
+
+def test_the_dataset_cost_table_counts_the_sends_and_the_unpickling(tmp_path):
+    script = ROOT / "benchmarks" / "executor_dataset.py"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(script), "--mib", "1", "--samples", "16", "--in-flight", "8"], env=env,
+                          capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line.split("  ")[0]: line.split() for line in proc.stdout.splitlines()
+            if line.startswith(("process pool", "Dask"))}
+    assert set(rows) == {"process pool", "Dask"}, proc.stdout
+    pool, dask = rows["process pool"], rows["Dask"]
+    # the pool's processes take the dataset from shared memory: no task carries it; the Dask
+    # cluster gets it once, as a plugin; each process unpickles it once, no large graph is sent
+    assert pool[3:5] == ["0", "0"] and pool[5] == pool[7] == "2" and pool[8] == "0", proc.stdout
+    assert dask[2:4] == ["1", "1"] and dask[4] == dask[6] == "2" and dask[7] == "0", proc.stdout
+    assert "run: benchmarks/executor_dataset.py" in proc.stdout

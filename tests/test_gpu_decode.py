@@ -182,6 +182,57 @@ def test_a_file_no_decoder_reads_is_skipped_with_on_error_skip(mixed, caplog):
     assert any("skipped dataset index 6" in r.getMessage() for r in caplog.records)
 
 
+def test_a_batched_decode_that_fails_in_any_way_is_retried_image_by_image(folder, monkeypatch):
+    from aioload._engine import gpudecode
+
+    expected = epochs(on_cpu(aioload.ImageFolder(folder, CROP)), epochs=1, shuffle=True, seed=3, num_workers=1)
+
+    def refuses(payloads, device):  # as the batched call might on another torchvision: not a RuntimeError
+        raise TypeError("decode_jpegs_cuda(): incompatible function arguments")
+
+    monkeypatch.setattr(gpudecode, "_decode_many", refuses)
+    got = epochs(on_cpu(aioload.ImageFolder(folder, CROP)), epochs=1, shuffle=True, seed=3, num_workers=1)
+    assert_same_batches(got, expected)  # each image decoded alone, by the same decoder
+
+
+def test_an_image_no_decoder_takes_is_named_whatever_the_decoders_raise(mixed, monkeypatch):
+    from aioload._engine import gpudecode
+
+    def out_of_memory(payloads, device):
+        raise MemoryError("nvJPEG could not allocate its buffers")
+
+    def gives_up(payload, device):
+        raise OSError("the device decoder gave up")
+
+    monkeypatch.setattr(gpudecode, "_decode_many", out_of_memory)
+    monkeypatch.setattr(gpudecode, "_decode_one", gives_up)
+    ds = on_cpu(aioload.ImageFolder(mixed, v2.CenterCrop(40)))
+    with aioload.DataLoader(ds, batch_size=7, num_workers=1, on_error="skip") as loader:
+        (images, _), = list(loader)  # the JPEGs decoded on the CPU, one by one
+        assert images.shape == (6, 3, 40, 40) and loader.stats().skipped == (6,)
+    with aioload.DataLoader(ds, batch_size=7, num_workers=1) as loader:
+        with pytest.raises(RuntimeError) as info:
+            next(iter(loader))
+    assert (f"while decoding dataset index 6 ({ds.path(6)}) on cpu (decode_device=): neither nvJPEG nor the CPU "
+            "decoder could read it") in info.value.__notes__
+
+
+def test_each_sample_seeds_and_gives_back_every_generator_its_transform_draws_from():
+    from aioload._engine import gpudecode
+
+    cpu = torch.device("cpu")
+    assert gpudecode.device_generators(cpu) == []  # on a CUDA device: that device's generator too
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    with gpudecode.own_rngs(cpu):
+        gpudecode.seed_sample(11, cpu)
+        first = torch.randn(4), random.random(), float(np.random.rand())
+        gpudecode.seed_sample(11, cpu)
+        again = torch.randn(4), random.random(), float(np.random.rand())
+    assert torch.equal(first[0], again[0]) and first[1:] == again[1:]
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_images_of_different_sizes_after_the_transform_name_the_fix(mixed):
     ds = on_cpu(aioload.ImageFolder(mixed))  # no transform: each image keeps its own size
     ds._paths = ds._paths[:2]
@@ -207,6 +258,25 @@ def test_device_and_decode_device_must_agree(folder):
 
 # -- on a CUDA device ---------------------------------------------------------------------------
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+def test_a_transform_that_draws_on_the_device_is_seeded_and_leaves_the_training_loops_cuda_generator():
+    from aioload._engine import gpudecode
+
+    device = torch.device("cuda")
+    (generator,) = gpudecode.device_generators(device)
+    torch.cuda.manual_seed(7)
+    before = generator.get_state()
+    noise = v2.GaussianNoise(sigma=0.5)
+    image = torch.zeros(3, 8, 8, device=device)
+    with gpudecode.own_rngs(device):
+        gpudecode.seed_sample(11, device)
+        first = noise(image)
+        gpudecode.seed_sample(11, device)
+        again = noise(image)
+    assert torch.equal(first, again) and not torch.equal(first, image)
+    assert torch.equal(generator.get_state(), before)
 
 
 @needs_cuda

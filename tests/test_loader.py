@@ -252,7 +252,7 @@ def test_read_error_names_the_index_and_path():
         with pytest.raises(OSError) as info:
             next(it)
         assert str(info.value) == "cannot read sample 5"
-    assert "while reading dataset index 5 (/data/sample_5.bin)" in info.value.__notes__
+    assert "while reading dataset index 5 (/data/sample_5.bin) in an aioload worker" in info.value.__notes__
 
 
 _NO_CUDA = """

@@ -302,7 +302,7 @@ def test_loader_surfaces_the_final_error_with_index_and_url(image_server, image_
                 pass
     err = info.value
     assert isinstance(err, aioload.RemoteReadError) and err.status == 404 and err.url == urls[4]
-    assert f"while reading dataset index 4 ({urls[4]})" in err.__notes__
+    assert f"while reading dataset index 4 ({urls[4]}) in an aioload worker" in err.__notes__
     assert open_sessions() == []
 
 

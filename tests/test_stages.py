@@ -266,7 +266,8 @@ def test_task_errors_become_exceptions_that_say_where():
     assert [(e.pos, e.index) for e in errors] == [(10, 7), (8, 5)]
     with pytest.raises(KeyError) as info:
         stage.raise_first(errors)  # the batch's first sample that failed
-    assert info.value.__notes__[0] == "while running decode for dataset index 5 (/data/5.bin) in an aioload worker"
+    assert info.value.__notes__[0] == ("while running decode for dataset index 5 (/data/5.bin) in an aioload worker; "
+                                       "on_error='skip' leaves such samples out and goes on")
     assert info.value.__notes__[1].startswith("Original traceback:")  # the worker's
     batch = stage.unpack(TaskError(0, [1, 2], "collate_fn", packed(RuntimeError("sizes differ"))))
     assert isinstance(batch, RuntimeError) and str(batch) == "sizes differ"
@@ -289,7 +290,7 @@ def test_a_reply_teaches_the_layout_and_records_decode_and_worker_reads():
     quick: list = []
     stage = decode_stage(make_spec(Reads()), quick=quick)
     assert stage.lesson.learning()
-    reply = Done(0, [b"", b"", b"", b""], [], [], 0, 0.004, cpu_s=0.003, reads=([0.01, 0.03], 2048))
+    reply = Done(0, [b"", b"", b"", b""], [], [], 0, 0.004, cpu_s=0.003, reads=([0.01, 0.03], 2048, None))
     stage.note_reply(reply, rows=8)
     assert stage.shared.no_leaves and not stage.lesson.learning()
     s = stage.stats

@@ -283,3 +283,85 @@ def test_the_epoch_start_of_an_iterable_dataset_is_the_only_position():
     refused(replaced(state, ("progress", "delivered", "below"), 1),
             r"progress must stand for the epoch's start: an IterableDataset's epoch resumes from its start only "
             r"\(nothing delivered, no batches\)", MAKERS["iterable"])
+
+
+# -- positions a crafted state may claim: bounded, and checked without building the epoch -----------
+class Endless(torch.utils.data.Sampler):
+    """A sampler without len(): its states stand for the epoch's start (nothing can be written out)."""
+
+    def __iter__(self):
+        return iter(range(N))
+
+
+class Lazy(torch.utils.data.Sampler):
+    """A sampler aioload cannot replay, of any length, that builds nothing to start."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+class Many(Ints):
+    def __len__(self) -> int:
+        return 4 * 10**6
+
+
+def test_a_sampler_without_len_bounds_what_a_state_says_was_delivered():
+    make = lambda: aioload.DataLoader(Ints(), batch_size=BATCH, sampler=Endless())  # noqa: E731
+    state = saved(make, 1)
+    assert state["progress"]["inexact"] is not None and state["progress"]["batches"] is None
+    exact = replaced(state, ("progress", "inexact"), None)
+    refused(replaced(exact, ("progress", "delivered", "below"), 10**12),
+            r"progress.delivered.below must be an int in \[0, 4294967296\] \(this loader's sampler has no len\(\); "
+            r"its epochs are taken to have at most 4294967296 batches\), got 1000000000000", make)
+    refused(replaced(exact, ("progress", "delivered", "also"), [2**40]),
+            r"progress.delivered.also\[0\] must be an int in \[1, 4294967295\] .*, got 1099511627776", make)
+    listed = replaced(replaced(exact, ("progress", "delivered", "below"), 4 * 10**6),
+                      ("progress", "batches"), [[4 * 10**6, [0, 1, 2]]])
+    refused(listed, r"progress.batches must be None: this loader's sampler has no len\(\), so the rest of its "
+                    r"epoch is never written out \(such a state resumes by replaying the sampler\)", make)
+
+
+def test_a_position_late_in_a_long_epoch_is_checked_in_little_memory():
+    import tracemalloc
+
+    make = lambda: aioload.DataLoader(Many(), batch_size=1, sampler=Lazy(4 * 10**6))  # noqa: E731
+    with make() as loader:
+        config = loader._planner.config()
+    small = saved(lambda: aioload.DataLoader(Ints(), batch_size=1, sampler=Lazy(N)), 1)
+    state = replaced(small, ("config",), config)
+    last = 4 * 10**6 - 1
+    state["progress"]["delivered"] = {"below": last, "also": []}
+    state["progress"]["batches"] = [[last, [7]]]
+    with make() as loader:
+        tracemalloc.start()
+        try:
+            loader.load_state_dict(state)  # the epoch's last batch is all that is left
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert [b.tolist() for b in loader] == [[7]]
+    assert peak < 8 << 20, f"checking the state took {peak >> 20} MiB"  # not a set of 4 million batches
+    gapped = replaced(state, ("progress", "delivered", "below"), last - 1)
+    refused(gapped, r"progress.batches leaves out batch 3999998: with progress.delivered, it must account for every "
+                    r"batch of the epoch from 0", make)
+
+
+def test_indices_inside_nested_lists_are_checked_against_the_dataset():
+    make = lambda: aioload.DataLoader(Ints(), batch_size=None, sampler=Lazy(N))  # noqa: E731
+    state = saved(make, 2)
+    first = state["progress"]["batches"][0]
+    for bad in (-3, 10**9, N):
+        refused(replaced(state, ("progress", "batches", 0, 1), [bad]),
+                rf"progress.batches\[0\]\[1\]\[0\] must be an index in \[0, 9\] \(the dataset has 10 samples\), "
+                rf"got {bad}", make)
+        refused(replaced(state, ("progress", "batches", 0, 1), [[1, bad]]),
+                rf"progress.batches\[0\]\[1\]\[0\]\[1\] must be an index in \[0, 9\] .*, got {bad}", make)
+    with make() as loader:  # a list index within the dataset loads, and reaches the dataset as a list
+        loader.load_state_dict(replaced(state, ("progress", "batches", 0, 1), [3, 4]))
+        assert list(loader)[0] == 0 and first[0] == 2

@@ -2,10 +2,10 @@
 
 # unit tests: no worker process
 
-A :class:`PoolSession` uses five attributes of its :class:`~aioload._workers.pool.WorkerPool`:
+A :class:`PoolSession` uses six attributes of its :class:`~aioload._workers.pool.WorkerPool`:
 ``num_workers``, ``socks`` (one non-blocking task socket per worker), ``ready`` (which workers
-said they started), ``broken`` (the error that broke the pool) and ``procs`` (``pid``,
-``exitcode`` and ``join`` of a worker found dead). :class:`StandInPool` provides exactly
+said they started), ``broken`` (the error that broke the pool), ``procs`` (``pid``,
+``exitcode`` and ``join`` of a worker found dead) and ``reads_here`` (the workers read). :class:`StandInPool` provides exactly
 those over real ``socket.socketpair()`` sockets; the test coroutine plays each worker on the
 other end with the worker's own message framing (:mod:`aioload._workers.wire`) and messages
 (:mod:`aioload._workers.messages`): it says ``WorkerReady``/``InitError``, reads the ``Task`` and
@@ -25,7 +25,7 @@ import pytest
 
 from aioload._workers import wire as _wire
 from aioload._errors import WorkerCrashedError, pack_exception
-from aioload._workers.messages import Done, InitError, StartEpoch, Task, WorkerReady
+from aioload._workers.messages import CancelReads, Done, InitError, StartEpoch, Task, WorkerReady
 from aioload._workers.pool import PER_WORKER_TASKS, PoolSession, batches_in_flight
 
 pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
@@ -109,8 +109,9 @@ def done(task_id: int, label=None) -> Done:
 class StandInPool:
     """The attributes of a WorkerPool that a PoolSession uses, with played workers."""
 
-    def __init__(self, num_workers: int, exitcode: int = -signal.SIGKILL):
+    def __init__(self, num_workers: int, exitcode: int = -signal.SIGKILL, reads_here: bool = False):
         self.num_workers = num_workers
+        self.reads_here = reads_here
         self.ready = [False] * num_workers
         self.broken: BaseException | None = None
         self.socks: list[socket.socket] = []
@@ -439,6 +440,27 @@ def test_drain_withdraws_waiting_tasks_and_waits_for_sent_ones():
         await reply(asyncio.gather(*sent))
 
     run(body, workers=1)
+
+
+def test_an_abandoned_epoch_tells_the_workers_that_read_to_cancel_their_reads():
+    async def body(session, pool):
+        busy, idle = pool.workers
+        sent = task(session, 0, worker=0)
+        assert [type(m) for m in await until_received(busy)] == [Task]
+        assert await session.drain(0.01) is False  # its read is still in flight: unanswered
+        assert [type(m) for m in await until_received(busy)] == [CancelReads]
+        assert idle.received() == []  # nothing in flight there: nothing to cancel
+        busy.answer_all()  # the task, its read failed, is answered at once
+        assert await session.drain(HANG_GUARD) is True
+        await reply(sent)
+
+    run(body, workers=2, reads_here=True)
+
+
+async def until_received(worker: PlayedWorker) -> list:
+    new: list = []
+    await until(lambda: new.extend(worker.received()) or new)
+    return new
 
 
 # ----------------------------------------------------------------------------- permits

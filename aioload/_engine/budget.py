@@ -17,7 +17,7 @@ from typing import Callable
 
 from torch.utils.data import BatchSampler
 
-from aioload._errors import TooManyErrorsError, forget_locals
+from aioload._errors import SKIP_HINT, TooManyErrorsError, forget_locals, where
 
 logger = logging.getLogger("aioload")
 
@@ -109,19 +109,11 @@ class ErrorBudget:
                 "is chained below. Fix or remove the failing samples, or raise max_errors.")
 
 
+SAMPLE_STAGES = ("decode", "__getitem__")
+"""The stages whose failure is one sample's, which ``on_error="skip"`` leaves out."""
+
 SKIPPED = object()
 """What :func:`run_in_process` returns for a sample that failed and was skipped."""
-
-
-def where(describe, index) -> str:
-    """`` (path)`` for error notes when the dataset can say where ``index`` lives, else ``""``."""
-    if describe is None or isinstance(index, list):
-        return ""
-    try:
-        found = describe(index)
-    except Exception:  # noqa: BLE001 - a note must never hide the real error
-        return ""
-    return "" if found is None else f" ({found})"
 
 
 def run_in_process(budget: ErrorBudget, describe, stage: str, indices: list, fn, *args):
@@ -133,7 +125,8 @@ def run_in_process(budget: ErrorBudget, describe, stage: str, indices: list, fn,
         return fn(*args)
     except Exception as exc:
         if len(indices) == 1:
-            exc.add_note(f"while running {stage} for dataset index {indices[0]}{where(describe, indices[0])}")
+            hint = "" if budget.skip or stage not in SAMPLE_STAGES else SKIP_HINT
+            exc.add_note(f"while running {stage} for dataset index {indices[0]}{where(describe, indices[0])}{hint}")
         else:
             exc.add_note(f"while running {stage} for the batch of dataset indices {indices}")
         budget.failed(indices, exc)

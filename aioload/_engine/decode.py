@@ -9,11 +9,13 @@ import math
 from typing import Callable
 
 from aioload._handoff.chunks import CHUNK_MAGIC, join_chunks, load_chunk, move_chunk_into_slot
-from aioload._errors import unpack_exception
+from aioload._errors import SKIP_HINT, BlockingReadWarning, unpack_exception
+from aioload._reads import stall_message
 from aioload._handoff.layout import ALIGN, Layout
 from aioload._handoff.views import SlotView, collate_rows, load_batch, load_rows
 from aioload._handoff.writers import column_views, move_into_slot
 from aioload._workers.messages import Done, TaskError
+from aioload._engine.budget import SAMPLE_STAGES
 from aioload._engine.ready import SKIP
 from aioload._handoff.slots import SlotPool
 from aioload._engine.spec import Ready
@@ -134,7 +136,11 @@ class DecodeStage:
         self._learn(reply.specs, rows)
         self.stats.decoded_batch(len(payloads), seconds, reply.cpu_s)
         if reply.reads is not None:
-            self.stats.worker_reads(*reply.reads)
+            latencies, nbytes, stall = reply.reads
+            self.stats.worker_reads(latencies, nbytes)
+            if stall is not None:
+                self.stats.read_stalled(BlockingReadWarning(stall_message(stall, self.spec.dataset,
+                                                                          "in an aioload worker")))
         if payloads and timed:
             per_sample = seconds / len(payloads)
             old = self.shared.per_sample_s
@@ -172,8 +178,12 @@ class DecodeStage:
         elif isinstance(index, list):  # collate_fn's batch, or a chunk fetched by __getitems__
             what = "the batch of dataset indices" if stage == "collate_fn" else "dataset indices"
             where = f"while running {stage} for {what} {index}"
+        elif stage == "read":
+            return unpack_exception(error.packed, None)  # noted in the worker: "while reading ..."
         else:
             where = f"while running {stage} for dataset index {index}{self.reads.where(index)}"
+            if stage in SAMPLE_STAGES and not self.budget.skip:
+                return unpack_exception(error.packed, where + " in an aioload worker" + SKIP_HINT)
         return unpack_exception(error.packed, where + " in an aioload worker")
 
     def raise_first(self, errors: list[TaskError]) -> None:

@@ -6,15 +6,14 @@ decodes, collates, and sends back the batch, whose tensors travel as numpy array
 protocol 5 buffers, which Dask and Ray carry out of band). The loader then treats the batch as
 any other: pinned, copied to ``device=``, counted, ordered, resumable.
 
-The dataset and ``collate_fn`` reach each executor process once: a task names the loader by a
-token, and a process that does not know the token answers :class:`NeedDataset`; the task is
-sent again with the pickled dataset, which that process keeps (a few loaders at most). A
-thread pool shares the trainer's objects and pickles nothing.
+The dataset and ``collate_fn`` reach each executor process once (see :class:`ExecutorStage`),
+which keeps them (a few loaders at most). A thread pool shares the trainer's objects and
+pickles nothing. What runs in the executor's process is :mod:`aioload._engine.executor_process`.
 
 What runs where:
 
 * trainer, engine thread: the sampler, the permits (bounded work in flight), the order, and
-  reads only for a dataset marked to read on the trainer (``executor_reads="trainer"``);
+  reads only for a dataset marked to read on the trainer (``read_on_executor=False``);
 * executor process: ``read`` (for every split dataset by default: a URL is fetched where it
   is decoded, so bytes never travel trainer -> cluster -> trainer), ``decode`` or
   ``__getitem__``, per-sample seeding, ``collate_fn``.
@@ -28,209 +27,29 @@ import concurrent.futures
 import functools
 import os
 import pickle
-import threading
 import time
 import uuid
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 from torch.utils.data._utils.collate import default_collate
 
-from aioload._dataset import NOT_READY
-from aioload._errors import pack_exception
+from aioload._errors import BlockingReadWarning, SKIP_HINT, unpack_exception
+from aioload._reads import stall_message
 from aioload._workers.messages import TaskError
-from aioload._seeding import sample_seed, seed_everything
-from aioload._handoff.tree import leaves, map_leaves, map_tensors
+from aioload._engine.executor_process import (FORGET_HOLD, NEED_DATASET, Job, SharedDataset, _trainers, batch_bytes,
+                                              forget, forget_and_hold, inward, run_job)
+from aioload._engine.executor_process import KEEP_DATASETS, known_tokens  # noqa: F401 - named here in docs and tests
 
 RETRIES = 2
 """How many times a batch whose executor process died is sent again before the loader raises."""
 
-KEEP_DATASETS = 4
-"""Datasets an executor process keeps (one per loader that used it; least recently used dropped)."""
+FORGET_TIMEOUT = 5.0
+"""How long ``close()`` waits for every process of a ``ProcessPoolExecutor`` to drop the
+loader's dataset (a process busy with other work for longer keeps it, see :func:`forget_in_pool`)."""
 
 
-NEED_DATASET = "aioload: this process has not been sent the loader's dataset yet"
-"""What a task answers in a process that does not know its loader (a value, not an exception:
-an executor logs failed tasks)."""
-
-
-# -- in the executor's process ------------------------------------------------------------------
-_known: collections.OrderedDict[str, tuple] = collections.OrderedDict()
-_forgotten: collections.deque = collections.deque(maxlen=256)  # closed loaders: never kept again
-_known_lock = threading.Lock()
-
-
-def _dataset_for(token: str, blob: bytes | None, local: tuple | None):
-    with _known_lock:
-        found = _known.get(token)
-        if found is not None:
-            _known.move_to_end(token)
-            return found
-        if token in _forgotten:  # a task of a closed loader, still running when it closed
-            return None
-        if local is not None:
-            found = local
-        elif blob is not None:
-            found = pickle.loads(blob)
-        else:
-            return None
-        _known[token] = found
-        while len(_known) > KEEP_DATASETS:
-            _known.popitem(last=False)
-        return found
-
-
-def forget(token: str) -> bool:
-    """Drop a loader's dataset from this process; whether it was there."""
-    with _known_lock:
-        if token not in _forgotten:
-            _forgotten.append(token)
-        return _known.pop(token, None) is not None
-
-
-def known_tokens() -> list[str]:
-    """The loaders whose datasets this process holds (for tests and diagnostics)."""
-    with _known_lock:
-        return list(_known)
-
-
-class Job:
-    """One batch's work, as sent to the executor (small: indices, raw items, seeds)."""
-
-    __slots__ = ("token", "items", "read_here", "base_seed", "per_sample", "skip", "to_numpy")
-
-    def __init__(self, token: str, items: list, read_here: bool, base_seed: int, per_sample: bool, skip: bool,
-                 to_numpy: bool):
-        self.token, self.items, self.read_here = token, items, read_here
-        self.base_seed, self.per_sample, self.skip, self.to_numpy = base_seed, per_sample, skip, to_numpy
-
-    def __getstate__(self):
-        return tuple(getattr(self, name) for name in self.__slots__)
-
-    def __setstate__(self, state):
-        for name, value in zip(self.__slots__, state):
-            setattr(self, name, value)
-
-
-class JobResult(NamedTuple):
-    """What a :class:`Job` sends back from the executor's process."""
-
-    batch: Any  # the collated batch, tensors as numpy arrays (see _Array); None when it failed
-    errors: list  # TaskError, as the built-in workers report them
-    samples: int  # the samples the batch holds
-    seconds: float  # wall time of the task
-    cpu_s: float  # CPU seconds of the thread that ran it
-
-
-def run_job(job: Job, blob: bytes | None = None, local: tuple | None = None, nonce: str = ""):
-    """Load one batch in an executor process: a :class:`JobResult` (``NEED_DATASET`` when
-    this process lacks the loader's dataset). With ``on_error="raise"`` the first failure
-    ends the task."""
-    known = _dataset_for(job.token, blob, local)
-    if known is None:
-        return NEED_DATASET
-    dataset, collate, split = known
-    started, cpu_started = time.perf_counter(), time.thread_time()
-    items = job.items
-    errors: list = []
-    raws: list = [raw for _, raw in items]
-    if split and job.read_here:
-        raws = _read_all(dataset, [index for index, _ in items], errors, job.skip)
-    samples = []
-    for pos, ((index, _), raw) in enumerate(zip(items, raws)):
-        if raw is _FAILED:
-            continue
-        if job.per_sample:
-            seed_everything(sample_seed(job.base_seed, index))
-        try:
-            samples.append(dataset.decode(raw) if split else dataset[index])
-        except Exception as exc:  # noqa: BLE001 - reported with the sample's index
-            errors.append(TaskError(pos, index, "decode" if split else "__getitem__", pack_exception(exc)))
-            if not job.skip:
-                break
-    batch = None
-    if samples and not (errors and not job.skip):
-        try:
-            batch = collate(samples)
-        except Exception as exc:  # noqa: BLE001 - the batch's error
-            errors.append(TaskError(0, [index for index, _ in items], "collate_fn", pack_exception(exc)))
-    if batch is not None and job.to_numpy:
-        batch = _outward(batch)
-    return JobResult(batch, errors, len(samples), time.perf_counter() - started, time.thread_time() - cpu_started)
-
-
-_FAILED = object()
-
-
-def _read_all(dataset, indices: list, errors: list, skip: bool) -> list:
-    """Every index's raw item, read here: what ``read_nowait`` has at hand, the rest awaited
-    together on one event loop (many reads in flight, as on the trainer's)."""
-    raws: list = []
-    for index in indices:
-        try:
-            raws.append(dataset.read_nowait(index))
-        except Exception as exc:  # noqa: BLE001
-            raws.append(exc)
-    waiting = [pos for pos, raw in enumerate(raws) if raw is NOT_READY]
-    if waiting:
-        async def read():
-            return await asyncio.gather(*(dataset.read(indices[pos]) for pos in waiting), return_exceptions=True)
-
-        for pos, raw in zip(waiting, asyncio.run(read())):
-            raws[pos] = raw
-    for pos, raw in enumerate(raws):
-        if isinstance(raw, BaseException):
-            if not isinstance(raw, Exception):
-                raise raw
-            errors.append(TaskError(pos, indices[pos], "read", pack_exception(raw)))
-            raws[pos] = _FAILED
-            if not skip:
-                return [_FAILED] * len(raws)
-    return raws
-
-
-class _Array:
-    """A tensor on its way back: a numpy array (out-of-band buffers with pickle protocol 5)."""
-
-    __slots__ = ("array", "dtype")
-
-    def __init__(self, tensor: torch.Tensor):
-        t = tensor.detach().contiguous()
-        self.dtype = t.dtype
-        # numpy has no bfloat16: such a tensor travels as its bytes
-        self.array = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
-
-    def tensor(self) -> torch.Tensor:
-        t = torch.from_numpy(self.array if self.array.flags.writeable else self.array.copy())
-        return t.view(torch.bfloat16) if self.dtype == torch.bfloat16 else t
-
-    def __getstate__(self):
-        return self.array, self.dtype
-
-    def __setstate__(self, state):
-        self.array, self.dtype = state
-
-
-def _outward(value):
-    return map_tensors(_Array, value)
-
-
-def inward(value):
-    """A batch as it came back: its arrays made tensors again (no copy), containers kept."""
-    return map_leaves(_tensor_of, value)
-
-
-def _tensor_of(leaf):
-    return leaf.tensor() if isinstance(leaf, _Array) else leaf
-
-
-def batch_bytes(value) -> int:
-    """The bytes of a batch's tensors (what crossed the network)."""
-    return sum(t.numel() * t.element_size() for t in leaves(value) if isinstance(t, torch.Tensor))
-
-
-# -- on the trainer -----------------------------------------------------------------------------
-def check_executor(executor, dataset, seed) -> None:
+def check_executor(executor, dataset, seed, worker_init_fn=None) -> None:
     if not isinstance(executor, concurrent.futures.Executor):
         raise TypeError(f"executor must be a concurrent.futures.Executor (a ProcessPoolExecutor, a "
                         f"ThreadPoolExecutor, Dask's client.get_executor(), ...), got {type(executor).__name__}")
@@ -242,6 +61,14 @@ def check_executor(executor, dataset, seed) -> None:
                          "generators, which threads share with each other and with the training loop: seeded "
                          "batches need processes (a ProcessPoolExecutor, a cluster's executor, or the built-in "
                          "workers); with a ThreadPoolExecutor leave seed=None")
+    check_worker_init_fn(executor, worker_init_fn)
+
+
+def check_worker_init_fn(executor, worker_init_fn) -> None:
+    if worker_init_fn is not None and isinstance(executor, concurrent.futures.ThreadPoolExecutor):
+        raise ValueError("worker_init_fn sets up a worker process, and a ThreadPoolExecutor runs its tasks in "
+                         "the training process itself, which has no worker to set up: run that set-up before "
+                         "making the loader, or use a ProcessPoolExecutor (it runs once in each of its processes)")
 
 
 def default_in_flight(executor) -> int:
@@ -264,31 +91,110 @@ def where_is(executor) -> str:
     return type(executor).__name__
 
 
-class ExecutorStage:
-    """The decode stage of a loader with ``executor=``; lives as long as the loader."""
+def _processes(executor) -> int:
+    """How many processes the executor runs its tasks in (for ``WorkerInfo.num_workers``)."""
+    client = getattr(executor, "_client", None)
+    if client is not None:
+        try:
+            return max(1, len(client.nthreads()))
+        except Exception:  # noqa: BLE001
+            return 1
+    return max(1, int(getattr(executor, "_max_workers", 0) or 1))
 
-    def __init__(self, executor, dataset, collate_fn, split: bool, read_here: bool):
+
+def forget_in_pool(pool: concurrent.futures.ProcessPoolExecutor, token: str, timeout: float = FORGET_TIMEOUT) -> set:
+    """Drop ``token``'s dataset in every process of ``pool``; the pids that did.
+
+    A process pool cannot be told to run something in each of its processes: a task goes to
+    whichever process is free. So each removal task keeps its process busy a moment
+    (:data:`FORGET_HOLD`), which sends the others to other processes, and removal tasks go
+    again, one per process not reached yet, until every process the pool has (``_processes``)
+    answered, or ``timeout`` seconds passed (a process busy with another loader's long task)."""
+    deadline = time.monotonic() + timeout
+    reached: set[int] = set()
+    while True:
+        missing = set(getattr(pool, "_processes", None) or ()) - reached
+        left = deadline - time.monotonic()
+        if not missing or left <= 0:
+            return reached
+        try:
+            futures = [pool.submit(forget_and_hold, token, FORGET_HOLD) for _ in missing]
+        except RuntimeError:  # shut down: its processes are gone, and the dataset with them
+            return reached
+        done, _ = concurrent.futures.wait(futures, timeout=left)
+        for future in done:
+            if not future.cancelled() and future.exception() is None:
+                reached.add(future.result())
+
+
+def _needs_dataset(result) -> bool:
+    return isinstance(result, tuple) and len(result) == 2 and result[0] == NEED_DATASET
+
+
+class ExecutorStage:
+    """The decode stage of a loader with ``executor=``; lives as long as the loader.
+
+    How the dataset reaches each process once: a thread pool shares the trainer's objects
+    (nothing is pickled); a Dask cluster gets it as a worker plugin (:mod:`aioload._engine.daskplugin`),
+    installed in every worker once, also in workers that join later; a local
+    ``ProcessPoolExecutor``'s processes each read it once from shared memory (:class:`SharedDataset`).
+    Any other executor (or a process that cannot open that memory) is sent a task with the
+    loader's token alone, and a process that does not know it answers ``NEED_DATASET``: the
+    task goes again with the pickled dataset -- one such send at a time, so that the tasks in
+    flight do not each carry a copy."""
+
+    def __init__(self, executor, dataset, collate_fn, split: bool, read_here: bool, worker_init_fn=None):
         self.executor = executor
         self.where = where_is(executor)  # said now: a cluster that is gone cannot say its address
-        self.token = uuid.uuid4().hex
         self.split = split
         self.read_here = read_here
         self.threads = isinstance(executor, concurrent.futures.ThreadPoolExecutor)
-        self._local = (dataset, collate_fn or default_collate, split) if self.threads else None
-        self._blob: bytes | None = None
-        self._dataset, self._collate = dataset, collate_fn or default_collate
+        self.client = getattr(executor, "_client", None)  # a Dask cluster's executor
+        self._dataset = dataset
         self.outstanding: dict[concurrent.futures.Future, list] = {}
         self.round_trips: collections.deque = collections.deque(maxlen=1000)
         self.bytes_received = 0
         self.batches = 0
+        self.dataset_sends = 0  # times the pickled dataset was sent (a plugin counts once)
+        self.dataset_bytes = 0  # its bytes, each time
+        _trainers.add(os.getpid())
+        self._set(collate_fn, worker_init_fn)
+
+    def _set(self, collate_fn, worker_init_fn) -> None:
+        """A fresh token for the dataset with this ``collate_fn`` and ``worker_init_fn``."""
+        self.token = uuid.uuid4().hex
+        self.settings = (collate_fn, worker_init_fn)
+        collate = collate_fn or default_collate
+        self._local = (self._dataset, collate, self.split) if self.threads else None
+        self._pickled = (self._dataset, collate, self.split, worker_init_fn)
+        self._blob: bytes | None = None
+        self._plugin: str | None = None  # the Dask plugin's name, once registered
+        self._shared: SharedDataset | None = None  # a local process pool's copy (see prepare)
+        self._sends_done = 0  # dataset sends finished (see _with_dataset)
+        self._next_id = 0  # the WorkerInfo.id of the next process sent the dataset
+
+    def configure(self, collate_fn, worker_init_fn, *, keep: bool) -> None:
+        """The loader's ``collate_fn`` and ``worker_init_fn`` for the next epoch. Changed, they
+        reach the executor's processes as a dataset of a new token (the old one is dropped
+        there), unless ``keep``: persistent workers keep what they started with, as torch's do."""
+        if (collate_fn, worker_init_fn) == self.settings or keep:
+            return
+        check_worker_init_fn(self.executor, worker_init_fn)
+        old, plugin, shared = self.token, self._plugin, self._shared
+        self._set(collate_fn, worker_init_fn)
+        self._forget_remote(old, plugin)
+        if shared is not None:
+            shared.close()
 
     def blob(self) -> bytes:
         if self._blob is None:
-            self._blob = pickle.dumps((self._dataset, self._collate, self.split), protocol=pickle.HIGHEST_PROTOCOL)
+            self._blob = pickle.dumps(self._pickled, protocol=pickle.HIGHEST_PROTOCOL)
         return self._blob
 
     def epoch(self, reads, stats, budget, deliver: Callable, *, base_seed: int, pin: bool) -> "ExecutorEpoch":
-        """This stage's part in one epoch (see :class:`ExecutorEpoch`)."""
+        """This stage's part in one epoch (see :class:`ExecutorEpoch`); on the epoch's loop."""
+        self._sending = asyncio.Lock()  # one send of the dataset at a time (see _with_dataset)
+        self._registering = asyncio.Lock()
         return ExecutorEpoch(self, reads, stats, budget, deliver, base_seed=base_seed, pin=pin)
 
     def figures(self) -> dict:
@@ -301,14 +207,45 @@ class ExecutorStage:
         return dict(executor=self.where, executor_tasks=self.batches, executor_bytes=self.bytes_received,
                     task_p50_ms=pct(0.5), task_p99_ms=pct(0.99))
 
+    async def prepare(self, base_seed: int) -> None:
+        """Before a task is sent: on a Dask cluster, the dataset as a worker plugin; for a
+        ``ProcessPoolExecutor`` (on Linux), the dataset in shared memory, taken by each of its
+        processes once (:class:`SharedDataset`)."""
+        if self._shared is None and isinstance(self.executor, concurrent.futures.ProcessPoolExecutor) \
+                and hasattr(os, "memfd_create"):
+            blob = self.blob()
+            self._shared = SharedDataset(self.token, blob)
+            self._blob = None  # the shared copy serves; a process that cannot open it gets a fresh pickle
+            self.dataset_sends += 1
+            self.dataset_bytes += len(blob)
+        if self.client is None or self._plugin is not None:
+            return
+        async with self._registering:
+            if self._plugin is None:
+                await asyncio.to_thread(self._register, base_seed)
+
+    def _register(self, base_seed: int) -> None:
+        from aioload._engine.daskplugin import DatasetPlugin
+
+        name = f"aioload-dataset-{self.token}"
+        blob = self.blob()
+        self.client.register_plugin(DatasetPlugin(self.token, blob, base_seed), name=name)
+        self.dataset_sends += 1
+        self.dataset_bytes += len(blob)
+        self._plugin = name
+
     async def run(self, job: Job, indices: list):
         """Send ``job``; its result, sending it again with the dataset where a process lacks
         it, and again (a bounded number of times) where a process died under it."""
-        blob, deaths = None, 0
+        deaths = 0
+        seen: int | None = None  # dataset sends done when a process said it lacks the dataset
         while True:
             started = time.perf_counter()
             try:
-                result = await self._submit(job, blob, indices)
+                if seen is None:
+                    result = await self._submit(job, indices)
+                else:
+                    result = await self._with_dataset(job, indices, seen)
             except Exception as exc:
                 if not _died(exc):
                     raise
@@ -316,18 +253,45 @@ class ExecutorStage:
                 if deaths > RETRIES or isinstance(exc, concurrent.futures.BrokenExecutor):
                     raise ExecutorWorkerLost(self.executor, indices, deaths, exc, self.where) from exc
                 continue
-            if isinstance(result, str) and result == NEED_DATASET:
-                blob = self.blob()
+            if _needs_dataset(result):
+                seen = self._sends_done
                 continue
             self.round_trips.append(time.perf_counter() - started)
             return result
 
-    async def _submit(self, job: Job, blob, indices: list):
+    async def _with_dataset(self, job: Job, indices: list, seen: int):
+        """``job`` sent to a process that lacked the dataset, with the dataset. One such send
+        at a time: the tasks in flight all hear ``NEED_DATASET`` at first, and sending each of
+        them with a copy sent the dataset once per task (16 times to a 2-process pool). A task
+        whose turn comes after another send has finished goes once more without it (a process
+        that has it may take it); each send is counted in ``dataset_sends``."""
+        async with self._sending:
+            if self._sends_done > seen:
+                result = await self._submit(job, indices)
+                if not _needs_dataset(result):
+                    return result
+            blob = self.blob()
+            init = (self._next_id, _processes(self.executor), job.base_seed)
+            self._next_id += 1
+            self.dataset_sends += 1
+            self.dataset_bytes += len(blob)
+            try:
+                result = await self._submit(job, indices, blob=blob, init=init)
+            finally:
+                self._sends_done += 1
+        if _needs_dataset(result):
+            raise ExecutorWorkerLost(f"a process of {self.where} would not keep the loader's dataset (sent with the "
+                                     f"task for dataset indices {indices}): was the loader closed meanwhile?")
+        return result
+
+    async def _submit(self, job: Job, indices: list, blob: bytes | None = None, init: tuple | None = None):
         kwargs: dict[str, Any] = {"nonce": uuid.uuid4().hex}  # never two equal tasks (Dask dedups them)
         if self.threads:
             kwargs["local"] = self._local
         elif blob is not None:
-            kwargs["blob"] = blob
+            kwargs["blob"], kwargs["init"] = blob, init
+        elif self._shared is not None:
+            kwargs["shared"] = (self._shared.path, _processes(self.executor))
         try:
             future = self.executor.submit(run_job, job, **kwargs)
         except RuntimeError as exc:  # shut down, or a cluster that is gone
@@ -356,27 +320,31 @@ class ExecutorStage:
         for future in list(self.outstanding):
             future.cancel()
 
+    def _forget_remote(self, token: str, plugin: str | None) -> None:
+        """Drop ``token``'s dataset (and its Dask ``plugin``) wherever it can be reached."""
+        if self.threads:
+            forget(token)
+            return
+        if self.client is not None:
+            if plugin is not None:
+                try:
+                    self.client.unregister_worker_plugin(plugin)  # its teardown forgets, on every worker
+                except Exception:  # noqa: BLE001 - a cluster already gone holds nothing of ours
+                    pass
+            try:
+                self.client.run(forget, token)  # also where a task carried it (a worker the plugin missed)
+            except Exception:  # noqa: BLE001
+                pass
+        elif isinstance(self.executor, concurrent.futures.ProcessPoolExecutor):
+            forget_in_pool(self.executor, token)
+
     def close(self) -> None:
         """Cancel what is still queued and drop the dataset where it can be reached."""
         self.cancel_all()
-        if self.threads:
-            forget(self.token)
-            return
-        client = getattr(self.executor, "_client", None)
-        if client is not None:
-            try:
-                client.run(forget, self.token)
-            except Exception:  # noqa: BLE001 - a cluster already gone holds nothing of ours
-                pass
-        elif isinstance(self.executor, concurrent.futures.ProcessPoolExecutor):
-            # A process pool cannot be asked to run something in each of its processes: one
-            # task per process, not waited for, reaches most of them; the rest keep the dataset
-            # until KEEP_DATASETS later loaders push it out.
-            for _ in range(int(getattr(self.executor, "_max_workers", 1) or 1)):
-                try:
-                    self.executor.submit(forget, self.token)
-                except RuntimeError:  # the pool is shut down: its processes are gone
-                    break
+        self._forget_remote(self.token, self._plugin)
+        self._plugin = None
+        if self._shared is not None:
+            self._shared.close()
 
 
 class ExecutorEpoch:
@@ -403,6 +371,7 @@ class ExecutorEpoch:
         from aioload._engine.ready import SKIP
 
         stage, reads = self.stage, self.reads
+        spec = reads.spec
         batch_indices = reads.batch_indices(indices)
         if stage.split and not stage.read_here:
             items = await reads.items(batch_indices)  # the trainer reads; the bytes go along
@@ -410,18 +379,28 @@ class ExecutorEpoch:
             items = [(index, None) for index in batch_indices]
         if not items:
             return SKIP
+        await stage.prepare(self.base_seed)
         # A process seeds each sample's draws from (epoch seed, index), as the built-in workers do
         # with seed=; threads share the trainer's generators, which must not be reseeded.
         job = Job(stage.token, items, stage.split and stage.read_here, self.base_seed, not stage.threads,
-                  self.budget.skip, not stage.threads)
+                  self.budget.skip, not stage.threads, auto_collation=spec.auto_collation,
+                  read_timeout=spec.read_timeout, io_limit=spec.io_concurrency, where=stage.where)
         where = reads.inflight.samples
         where.update((index, stage.where) for index, _ in items)
         try:
             result = await stage.run(job, batch_indices)
+        except (ExecutorWorkerLost, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the task failed over there (its result did not come back)
+            exc.add_note(f"while loading the batch of dataset indices {batch_indices} on {stage.where}")
+            self.budget.failed(batch_indices, exc)
+            return SKIP
         finally:
             for index, _ in items:
                 where.pop(index, None)
         self.stats.decoded_batch(result.samples, result.seconds, result.cpu_s)
+        if result.reads is not None:
+            self._count_reads(*result.reads)
         if result.errors:
             self._failed(sorted(result.errors, key=lambda e: e.pos))
         if result.batch is None:
@@ -433,17 +412,30 @@ class ExecutorEpoch:
             batch = pin_batch(batch)  # a side-stream copy from page-locked memory overlaps
         return self.deliver(batch, result.samples)
 
-    def _failed(self, errors: list[TaskError]) -> None:
-        """Raise the batch's first failure (``on_error="raise"``), or record each one skipped."""
-        from aioload._errors import unpack_exception
+    def _count_reads(self, latencies: list, nbytes: int, stall) -> None:
+        """The task's reads into the loader's statistics, as a worker's are."""
+        self.stats.worker_reads(latencies, nbytes)
+        if stall is not None:
+            self.stats.read_stalled(BlockingReadWarning(stall_message(stall, self.reads.spec.dataset,
+                                                                      f"on {self.stage.where}")))
 
+    def _failed(self, errors: list[TaskError]) -> None:
+        """Raise the batch's first failure (``on_error="raise"``), or record each one skipped;
+        a failure that is no sample's (``worker_init_fn``) is raised whatever ``on_error``."""
         for error in errors:
             index, stage = error.index, error.stage
-            if isinstance(index, list):
-                place = f"while running {stage} for the batch of dataset indices {index}"
+            where = self.stage.where
+            if index is None:  # worker_init_fn failed, or the task would reseed the trainer's generators
+                raise unpack_exception(error.packed, f"raised by {stage} in a process of {where}"
+                                       if stage == "worker_init_fn" else None)
+            if stage in ("read", "pickle"):
+                place = None  # the error's own note (or message) says so
+            elif isinstance(index, list):
+                place = f"while running {stage} for the batch of dataset indices {index} on {where}"
             else:
-                place = f"while running {stage} for dataset index {index}{self.reads.where(index)}"
-            exc = unpack_exception(error.packed, f"{place} on {self.stage.where}")
+                hint = "" if self.budget.skip or stage not in ("decode", "__getitem__") else SKIP_HINT
+                place = f"while running {stage} for dataset index {index}{self.reads.where(index)} on {where}{hint}"
+            exc = unpack_exception(error.packed, place)
             self.budget.failed(index if isinstance(index, list) else [index], exc)
 
 

@@ -7,9 +7,10 @@ When a node's CPUs cannot decode as fast as its GPUs train, the decode moves to 
   image (PNG, WebP, ...) is decoded on the CPU there, since nvJPEG reads JPEG only.
 * **engine thread, side stream**: one batched ``decode_jpegs_cuda`` call (nvJPEG) decodes the
   batch's JPEGs; the CPU-decoded images and the labels are copied with ``non_blocking=True``;
-  an event is recorded. A batch in which nvJPEG rejects a file is decoded again one image at a
-  time, and each image nvJPEG rejects is decoded on the CPU (libjpeg accepts more, CMYK
-  included). The CPU batch -- and so its slot -- is kept until the event has fired, as for any
+  an event is recorded. A batch whose call fails (nvJPEG rejects a file, or raises anything
+  else) is decoded again one image at a time, and each image nvJPEG fails on is decoded on the
+  CPU (libjpeg accepts more, CMYK included); an image no decoder takes fails its sample alone,
+  named by its index. The CPU batch -- and so its slot -- is kept until the event has fired, as for any
   copy.
 * **consumer thread**: its stream waits on the event; the dataset's ``transform`` runs on each
   device image, and the images are stacked into one batch.
@@ -18,8 +19,9 @@ The transforms run in the consumer's thread because their random parameters come
 global CPU generator. Drawn on the engine's thread they would interleave with the training
 loop's own draws from that generator (two threads, one generator), and neither would be
 reproducible. In the consumer's thread each sample's draws are seeded from ``(epoch seed,
-index)`` as a worker seeds them, inside a block that gives back the training loop's own state of
-torch's, ``random``'s and numpy's generators afterwards.
+index)`` as a worker seeds them -- torch's CPU generator, ``random``'s, numpy's, and the decode
+device's CUDA generator, which a transform of a CUDA image draws from -- inside a block that
+gives back the training loop's own state of each of them afterwards.
 
 ``sample_seed(base_seed, index)`` seeds every sample, with or without ``seed=``: with ``seed=S``
 the batches are a function of ``(S, epoch, index)`` as on the CPU path; without, the epoch's base
@@ -168,33 +170,55 @@ def decode_batch(payloads: list[torch.Tensor], device: torch.device) -> list:
         try:
             for i, image in zip(jpegs, _decode_many([payloads[i] for i in jpegs], device)):
                 out[i] = image
-        except RuntimeError:  # one file nvJPEG rejects fails the whole call: one at a time
+        except Exception:  # noqa: BLE001 - one file nvJPEG rejects fails the whole call: one at a time
+            # Whatever the batched call raised (a RuntimeError for a file it rejects, but also
+            # a TypeError from another torchvision's signature, an out-of-memory error...), each
+            # image gets its own chance, and each failure is its sample's.
             for i in jpegs:
                 try:
                     out[i] = _decode_one(payloads[i], device)
-                except RuntimeError:
-                    try:  # libjpeg takes more than nvJPEG (CMYK, some progressive files)
+                except Exception:  # noqa: BLE001 - libjpeg takes more than nvJPEG (CMYK, some progressive files)
+                    try:
                         out[i] = decode_image(payloads[i].numpy().tobytes()).to(device, non_blocking=True)
                     except Exception as exc:  # noqa: BLE001 - reported with the sample's index
                         out[i] = DecodeFailure(exc)
     return out
 
 
+def device_generators(device: torch.device) -> list[torch.Generator]:
+    """The generators a transform of an image on ``device`` may draw from besides torch's CPU
+    one: that CUDA device's own (``v2.GaussianNoise`` on a CUDA image draws there, as any
+    ``torch.randn(..., device=image.device)`` does); none on the CPU."""
+    if device.type != "cuda":
+        return []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return [torch.cuda.default_generators[index]]
+
+
 @contextlib.contextmanager
-def _own_rngs():
-    """Seed and draw freely inside; torch's, ``random``'s and numpy's global generators are
-    given back as they were (they belong to the training loop of this thread)."""
+def own_rngs(device: torch.device):
+    """Seed and draw freely inside; torch's CPU generator, ``device``'s generator, ``random``'s
+    and numpy's are given back as they were (they belong to the training loop of this thread)."""
     import numpy as np
 
-    torch_state = torch.random.get_rng_state()
+    generators = [torch.default_generator, *device_generators(device)]
+    states = [generator.get_state() for generator in generators]
     py_state = random.getstate()
     np_state = np.random.get_state()
     try:
         yield
     finally:
-        torch.random.set_rng_state(torch_state)
+        for generator, state in zip(generators, states):
+            generator.set_state(state)
         random.setstate(py_state)
         np.random.set_state(np_state)
+
+
+def seed_sample(seed: int, device: torch.device) -> None:
+    """Seed one sample's transform: every generator :func:`own_rngs` gives back."""
+    seed_everything(seed)
+    for generator in device_generators(device):
+        generator.manual_seed(seed)
 
 
 class DecodeTransfer:
@@ -235,9 +259,9 @@ class DecodeTransfer:
         keep = self._failed(images, indices)
         transform = getattr(self.dataset, "transform", None)
         out = []
-        with _own_rngs():
+        with own_rngs(self.device):
             for pos in keep:
-                seed_everything(sample_seed(self.base_seed, indices[pos]))
+                seed_sample(sample_seed(self.base_seed, indices[pos]), self.device)
                 image = images[pos]
                 out.append(transform(image) if transform is not None else image)
         if not out:

@@ -141,7 +141,9 @@ class ReadyQueue:
         delivered = self.delivered
         if self._in_order:
             while True:
-                while self._next in delivered:  # a resumed epoch's earlier batches
+                if self._next < delivered.low:  # a resumed epoch's earlier batches, in one step
+                    self._next = delivered.low
+                while self._next in delivered:  # and those delivered out of order
                     self._next += 1
                 seq = self._next
                 if seq not in self._items:

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field, fields, replace
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable
 
 DATA_BOUND = 0.10
@@ -598,6 +601,18 @@ SKIPPED_KEPT = 10_000
 """How many skipped indices ``stats().skipped`` lists; ``skipped_total`` counts them all."""
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _outside_frames() -> int:
+    """The ``stacklevel`` of the first caller outside aioload (the loop that iterates a loader)."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class StatsRecorder:
     """Cheap counters; read latencies are kept in a fixed-size ring for percentiles.
 
@@ -615,6 +630,9 @@ class StatsRecorder:
     def __init__(self):
         self._lock = threading.Lock()
         self.worker_pids: Callable[[], list[int | None]] = list  # set by the loader: its workers' pids
+        # A BlockingReadWarning found where the reads run, for the consumer's thread to warn
+        # with; then True (once per loader: not reset with the counters).
+        self.stall: Warning | bool | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -660,6 +678,18 @@ class StatsRecorder:
         self.read_s += sum(latencies)
         for seconds in latencies:
             self._keep_latency(seconds)
+
+    def read_stalled(self, warning: Warning) -> None:
+        """A ``read`` blocks its event loop: the consumer warns with ``warning``, once."""
+        if self.stall is None:
+            self.stall = warning
+
+    def warn_stalled(self) -> None:
+        """In the consumer's thread: the stall warning, if one waits (once per loader)."""
+        stall = self.stall
+        if isinstance(stall, Warning):
+            self.stall = True
+            warnings.warn(stall, stacklevel=_outside_frames())
 
     def _keep_latency(self, seconds: float) -> None:
         """Into the ring of the :attr:`RING` most recent read latencies."""

@@ -4,8 +4,10 @@ Run as a script (``python _benchserver.py ROOT --latency-ms 20``), in its own pr
 its threads share no GIL with the loaders being measured; it imports only the standard
 library. Each connection has its own thread and each request sleeps the round trip before it
 is answered, so concurrent requests overlap as they do against a remote store. Only the files
-found under ROOT at start are served (no path outside it can be asked for). The process exits
-on SIGTERM or Ctrl-C, when its parent dies (even by SIGKILL), and after ``--max-seconds``.
+found under ROOT at start are served (no path outside it can be asked for, and a symlink under
+ROOT that leads outside it is not served). The process exits on SIGTERM or Ctrl-C, when its
+parent process dies (even by SIGKILL; whichever of its threads started the server), and after
+``--max-seconds``.
 
 ``Range: bytes=a-b`` is answered ``206`` with that part (as object stores do), ``HEAD`` with
 the headers alone; ``--mb-per-s`` paces each response's body to that rate (a store's
@@ -16,9 +18,9 @@ per-connection bandwidth; 0, the default: as fast as the socket takes it). ``GET
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import re
+import select
 import signal
 import sys
 import threading
@@ -27,26 +29,45 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-PR_SET_PDEATHSIG = 1
-
-
 def die_with_parent(parent: int) -> None:
-    """End this process when ``parent`` dies, even by SIGKILL: the kernel's parent-death
-    signal where there is one (Linux), and a thread that watches the parent's pid."""
+    """End this process when the process ``parent`` dies, even by SIGKILL.
+
+    Not ``prctl(PR_SET_PDEATHSIG)``: the kernel sends that signal when the *thread* that
+    started this process ends, so a server started from a short-lived thread died with the
+    thread. A thread here waits on the parent process itself instead: a pidfd, which becomes
+    readable when that process (all of its threads) has exited (Linux >= 5.3), else a poll of
+    ``os.getppid()``, which changes only when the parent process is gone."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
-    if os.getppid() != parent:  # it died before the signal was armed
+        pidfd = os.pidfd_open(parent)
+    except (AttributeError, OSError):  # not Linux >= 5.3, or the parent is already gone
+        pidfd = None
+    if os.getppid() != parent:  # it died before the watch began
         os._exit(1)
 
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+        else:
+            while os.getppid() == parent:
+                time.sleep(0.2)
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def served_files(root: Path) -> dict[str, Path]:
+    """The regular files under ``root``, by their path relative to it, each resolved: a symlink
+    whose target lies outside ``root`` (or is not a file) is not served."""
+    base = root.resolve()
+    files = {}
+    for path in sorted(root.rglob("*")):
+        try:
+            target = path.resolve(strict=True)
+        except (OSError, RuntimeError):  # a dangling link, or a loop of links
+            continue
+        if target.is_file() and target.is_relative_to(base):
+            files[path.relative_to(root).as_posix()] = target
+    return files
 
 
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
@@ -91,7 +112,16 @@ class _Handler(BaseHTTPRequestHandler):
         if path is None:
             self.send_error(404)
             return
-        size = path.stat().st_size
+        try:  # the resolved file itself, never a symlink put in its place since
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            self.send_error(404)
+            return
+        with open(fd, "rb") as f:
+            self._answer_from(f, body)
+
+    def _answer_from(self, f, body: bool) -> None:
+        size = os.fstat(f.fileno()).st_size
         start, end, status = 0, size, 200
         asked = self.headers.get("Range")
         match = _RANGE.match(asked.strip()) if asked else None
@@ -109,14 +139,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(end - start))
         self.send_header("Accept-Ranges", "bytes")
-        self.send_header("ETag", f'"{path.stat().st_mtime_ns:x}-{size:x}"')
+        self.send_header("ETag", f'"{os.fstat(f.fileno()).st_mtime_ns:x}-{size:x}"')
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         self.end_headers()
         if body:
-            with open(path, "rb") as f:
-                f.seek(start)
-                self._send(f.read(end - start))
+            f.seek(start)
+            self._send(f.read(end - start))
 
     def _send(self, data: bytes) -> None:
         if not self.bytes_per_s:
@@ -147,8 +176,7 @@ class _Server(ThreadingHTTPServer):
 
 def serve(root: str, latency_ms: float, max_seconds: float, parent: int, mb_per_s: float = 0.0) -> None:
     die_with_parent(parent)
-    base = Path(root)
-    files = {p.relative_to(base).as_posix(): p for p in sorted(base.rglob("*")) if p.is_file()}
+    files = served_files(Path(root))
     handler = type("Handler", (_Handler,), {"files": files, "latency_s": latency_ms / 1000.0,
                                             "bytes_per_s": mb_per_s * 1e6, "count": _Count()})
     server = _Server(("127.0.0.1", 0), handler)

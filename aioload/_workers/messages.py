@@ -6,10 +6,10 @@ sides. They travel as length-prefixed pickles (:mod:`aioload._workers.wire`) ove
 socket; slot memory travels on its control socket, as file descriptors.
 
 Pool to worker, in the order a worker sees them in an epoch: :class:`StartEpoch`, then
-:class:`Task` and :class:`DropSlots` in any order, and :class:`Shutdown` when the loader stops
-its workers. Worker to pool: :class:`WorkerReady` or :class:`InitError` once, when it has
-started; then one :class:`Done` (or, for an ``IterableDataset``, :class:`Stopped`) per task,
-in the order the tasks came.
+:class:`Task` and :class:`DropSlots` in any order, :class:`CancelReads` when an epoch ends
+early, and :class:`Shutdown` when the loader stops its workers. Worker to pool:
+:class:`WorkerReady` or :class:`InitError` once, when it has started; then one :class:`Done`
+(or, for an ``IterableDataset``, :class:`Stopped`) per task, in the order the tasks came.
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ class DropSlots(NamedTuple):
     """Unmap these retired slots (tasks carry the same list in ``Task.drops``)."""
 
     slot_ids: list
+
+
+class CancelReads(NamedTuple):
+    """The epoch ended early: fail the reads in flight of every task sent so far, so that each
+    is answered at once (a worker that reads, see :mod:`aioload._workers.reads`)."""
 
 
 class Shutdown(NamedTuple):
@@ -91,7 +96,8 @@ class Done(NamedTuple):
     overflow_wanted: int  # overflow bytes the task lacked (the pool grows its slots' area)
     seconds: float  # wall time of the task in the worker
     cpu_s: float | None = None  # the worker's CPU seconds on the task (None: not measured)
-    # Reads the worker did itself: (latencies in seconds, bytes read); None when it read nothing.
+    # Reads the worker did itself: (latencies in seconds, bytes read, an aioload._reads.Stall
+    # the first time its reads were found blocking their loop, else None); None when it read nothing.
     reads: tuple | None = None
 
 

@@ -19,7 +19,7 @@ import weakref
 
 from aioload._workers import wire as _wire
 from aioload._errors import WorkerCrashedError, crash_message, describe_exit, unpack_exception
-from aioload._workers.messages import Done, InitError, Shutdown, Stopped, Task, WorkerReady
+from aioload._workers.messages import CancelReads, Done, InitError, Shutdown, Stopped, Task, WorkerReady
 from aioload._resources import watch_exit
 from aioload._handoff.shm import Segment, send_fd
 from aioload._workers.worker import PROGRESS_ID, SLOT_HEADER, WorkerConfig, worker_main
@@ -450,12 +450,19 @@ class PoolSession:
 
     async def drain(self, timeout: float) -> bool:
         """Wait until the workers have answered every task sent to them (so no slot is still
-        being written); ``False`` if that took longer than ``timeout``."""
+        being written); ``False`` if that took longer than ``timeout``. Workers that read are
+        told to fail their reads in flight first: an abandoned epoch (``break``) does not wait
+        for slow reads, and the workers stay usable for the next one."""
         for request in self._pending:
             request.future.cancel()
         self._pending.clear()
         if self.pool.broken is not None:
             return True
+        if self.pool.reads_here and self.outstanding():
+            data = _wire.encode(CancelReads())
+            for wid, inflight in enumerate(self._inflight):
+                if inflight:
+                    self._post(wid, data)
         try:
             async with asyncio.timeout(timeout):
                 await self._idle.wait()

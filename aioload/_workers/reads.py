@@ -13,9 +13,13 @@ worker is still decoding the task before it -- so that reads and decoding overla
 with the engine's loop. At most ``limit`` reads are in flight per worker (the loader's
 ``io_concurrency`` split across its workers), each within ``read_timeout``.
 
-A read that fails comes back as a :class:`FailedRead`; the worker reports it like a failed
-decode, with the stage ``"read"`` and the note ``while reading dataset index i (path)``, so
-``on_error="skip"`` and the consumer's error look as they do for a read on the engine's loop.
+The reads go through the one read core, :class:`aioload._reads.BatchReads`, as on the engine's
+loop and on an executor. A read that fails comes back as a :class:`~aioload._reads.FailedRead`
+with the note ``while reading dataset index i (path) in an aioload worker``; the worker reports
+it like a failed decode, with the stage ``"read"``, so ``on_error="skip"`` and the consumer's
+error look as they do for a read on the engine's loop. When the epoch ends early (``break``),
+the pool tells the worker to cancel the reads in flight (:meth:`WorkerReads.cancel`): each
+becomes a failed read, its task is answered at once, and the worker stays for the next epoch.
 """
 
 from __future__ import annotations
@@ -23,11 +27,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-import time
 
-from aioload._engine.budget import where
-from aioload._dataset import NOT_READY, Dataset
-from aioload._engine.reads import raw_nbytes, read_within
+from aioload._reads import BatchReads, FailedRead, StallMeter, Watch
+
+__all__ = ["CLOSE_GRACE", "FailedRead", "WorkerReads"]
 
 try:
     import uvloop
@@ -38,13 +41,19 @@ CLOSE_GRACE = 1.0
 """How long a stopping worker waits for its loop's thread (a read stuck for good keeps it)."""
 
 
-class FailedRead:
-    """What a task's sample holds in place of its raw item when its read failed."""
+class _Reading(Watch):
+    """The indices whose read has started and not ended (written by the loop's thread)."""
 
-    __slots__ = ("error",)
+    __slots__ = ("indices",)
 
-    def __init__(self, error: Exception):
-        self.error = error
+    def __init__(self):
+        self.indices: set = set()
+
+    def started(self, index) -> None:
+        self.indices.add(index)
+
+    def ended(self, index) -> None:
+        self.indices.discard(index)
 
 
 class WorkerReads:
@@ -54,15 +63,13 @@ class WorkerReads:
         self.dataset = dataset
         self.limit = max(1, limit)  # reads in flight in this worker
         self.read_timeout = read_timeout
-        nowait = getattr(dataset, "read_nowait", None)
-        overridden = nowait is not None and getattr(nowait, "__func__", None) is not Dataset.read_nowait
-        self._nowait = nowait if overridden else None
-        self._describe = getattr(dataset, "describe", None)
+        self._watch = _Reading()
+        self.meter = StallMeter()  # for the whole life of the worker
         self._loop = uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
         self._executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="aioload-worker-io")
         self._loop.set_default_executor(self._executor)
-        self._slots: asyncio.Semaphore | None = None  # made on the loop, by its thread
-        self._reading: set = set()  # indices whose read has started and not ended (loop thread writes)
+        self._core: BatchReads | None = None  # made on the loop, by its thread
+        self._generation = 0  # cancel() counts up: reads started before it are not begun
         started = threading.Event()
         # A daemon thread: a read stuck for good (a hung network mount) must not keep the
         # worker process alive once it is told to stop; close() joins it within CLOSE_GRACE.
@@ -72,7 +79,8 @@ class WorkerReads:
 
     def _run(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
-        self._slots = asyncio.Semaphore(self.limit)
+        self._core = BatchReads(self.dataset, bound=asyncio.Semaphore(self.limit), read_timeout=self.read_timeout,
+                                place=" in an aioload worker", watch=self._watch, meter=self.meter)
         self._loop.call_soon(started.set)
         self._loop.run_forever()
 
@@ -80,53 +88,28 @@ class WorkerReads:
         """Start reading ``indices``; the future's result is ``(raws, latencies, nbytes)``:
         each index's raw item (a :class:`FailedRead` where its read failed), in order, and the
         seconds each real read took and the bytes they returned."""
-        at_hand = self._read_nowait(indices)
-        return asyncio.run_coroutine_threadsafe(self._read_all(indices, at_hand), self._loop)
+        at_hand = self._core.at_hand(indices)  # in this thread: no trip through the loop
+        return asyncio.run_coroutine_threadsafe(self._read(indices, at_hand, self._generation), self._loop)
 
-    def _read_nowait(self, indices: list) -> list:
-        if self._nowait is None:
-            return [NOT_READY] * len(indices)
-        results = []
-        for index in indices:
-            try:
-                results.append(self._nowait(index))
-            except Exception as exc:  # noqa: BLE001 - reported like a failed read
-                results.append(self._failed(index, exc))
-        return results
+    async def _read(self, indices: list, at_hand: list, generation: int) -> tuple[list, list, int]:
+        if generation != self._generation:  # cancel() came after start() but before this began
+            return self._core.abandon(indices, at_hand)
+        return await self._core.read(indices, at_hand)
 
-    async def _read_all(self, indices: list, at_hand: list) -> tuple[list, list, int]:
-        waiting = [(pos, index) for pos, (index, raw) in enumerate(zip(indices, at_hand)) if raw is NOT_READY]
-        latencies: list[float] = []
-        nbytes = 0
-        if waiting:
-            done = await asyncio.gather(*(self._read(index) for _, index in waiting))
-            for (pos, _), (raw, seconds, size) in zip(waiting, done):
-                at_hand[pos] = raw
-                latencies.append(seconds)
-                nbytes += size
-        return at_hand, latencies, nbytes
-
-    async def _read(self, index) -> tuple:
-        async with self._slots:
-            started = time.perf_counter()
-            self._reading.add(index)
-            try:
-                raw = await read_within(self.dataset, index, self.read_timeout)
-            except Exception as exc:  # noqa: BLE001 - reported with the task's reply
-                return self._failed(index, exc), time.perf_counter() - started, 0
-            finally:
-                self._reading.discard(index)
-            return raw, time.perf_counter() - started, raw_nbytes(raw)
+    def cancel(self) -> None:
+        """Cancel the reads of every task started so far (not of those started after this
+        call); called by the thread that calls :meth:`start`."""
+        self._generation += 1
+        try:
+            self._loop.call_soon_threadsafe(self._core.cancel)
+        except RuntimeError:
+            pass  # the loop is closed: nothing is in flight
 
     def waiting_for(self, indices: list, default):
         """The first of ``indices`` still being read (``default`` when none is): what a task
         waits for, for the progress cell that names a stuck sample."""
-        reading = self._reading
+        reading = self._watch.indices
         return next((index for index in indices if index in reading), default)
-
-    def _failed(self, index, exc: Exception) -> FailedRead:
-        exc.add_note(f"while reading dataset index {index}{where(self._describe, index)}")
-        return FailedRead(exc)
 
     def close(self) -> None:
         """Cancel what still runs on the loop, close its sessions (``shutdown_asyncgens``

@@ -26,7 +26,8 @@ from aioload._errors import pack_exception
 from aioload._handoff.chunks import ChunkWriter, Unsupported
 from aioload._handoff.layout import Layout
 from aioload._handoff.writers import RowWriter, SlotWriter, column_views
-from aioload._workers.messages import Done, DropSlots, InitError, Shutdown, StartEpoch, Stopped, Task, TaskError, WorkerReady
+from aioload._workers.messages import (CancelReads, Done, DropSlots, InitError, Shutdown, StartEpoch, Stopped, Task,
+                                      TaskError, WorkerReady)
 from aioload._seeding import sample_seed, seed_everything, seed_worker
 from aioload._handoff.shm import Segment, recv_fd
 from aioload._workers.reads import FailedRead, WorkerReads
@@ -401,6 +402,9 @@ class _Worker:
         ``None`` last, once the parent has gone away or said to stop."""
         try:
             while (msg := self.reader.recv_blocking()) is not None:
+                if isinstance(msg, CancelReads):  # at once: the tasks it ends wait in the inbox
+                    self.reads.cancel()
+                    continue
                 reading = None
                 if isinstance(msg, Task) and msg.kind in ("rows", "whole"):
                     reading = self.reads.start(list(msg.payload[0]))
@@ -421,7 +425,7 @@ class _Worker:
             except concurrent.futures.TimeoutError:
                 # what this worker waits for, should timeout= expire
                 self.mark(self.reads.waiting_for(indices, None))
-        return (list(zip(indices, raws)),) + tuple(payload[1:]), (latencies, nbytes)
+        return (list(zip(indices, raws)),) + tuple(payload[1:]), (latencies, nbytes, self.reads.meter.take())
 
 
 def _receive_progress(ctrl):

@@ -86,14 +86,27 @@ class PreparedLoader(DataLoaderStateMixin):
         return {"loader": self.loader.state_dict(), "delivered": self._delivered}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`'s output. ``delivered`` must be where the loader's own
+        state resumes (checked here, with a :class:`ResumeError` naming it); a loader state
+        that can only restart its epoch (it warns ``ResumeWarning``) restarts this count too,
+        so that ``end_of_dataloader`` comes with the epoch's real last batch."""
         if not isinstance(state, dict) or set(state) != {"loader", "delivered"}:
             raise ResumeError(
                 "not the state of a prepared loader: pass what PreparedLoader.state_dict() returned "
                 "(a bare loader's own state goes to loader.loader.load_state_dict)"
             )
+        delivered = _check_delivered(state["delivered"], _length(self.loader))
+        at = _resumes_after(state["loader"])
+        if at is not None and at != delivered:
+            raise ResumeError(
+                f"cannot load this state: delivered is {delivered}, but its loader state resumes the epoch after "
+                f"{at} batches; pass what PreparedLoader.state_dict() returned"
+            )
         self.loader.load_state_dict(state["loader"])
-        self._resume_at = (state["loader"].get("epoch"), state["delivered"])
-        self._delivered = state["delivered"]
+        if at is None:  # the loader restarts the epoch (or its state left the position unknown)
+            delivered = 0
+        self._resume_at = (state["loader"].get("epoch"), delivered)
+        self._delivered = delivered
 
     # -- one epoch --------------------------------------------------------------------------
     def __iter__(self) -> Iterator:
@@ -161,6 +174,36 @@ def padded_remainder(length: int, world: int, batch_size: int, drop_last: bool,
     if padded == 1 or last == 1:
         return world * last - padded
     return -1
+
+
+def _check_delivered(delivered, total: int | None) -> int:
+    if isinstance(delivered, bool) or not isinstance(delivered, int) or delivered < 0 or (
+            total is not None and delivered > total):
+        bound = "an int >= 0" if total is None else f"an int in [0, {total}] (an epoch has {total} batches)"
+        raise ResumeError(f"cannot load this state: delivered must be {bound}, the batches of the epoch in progress "
+                          f"the training loop received, got {delivered!r}; pass what PreparedLoader.state_dict() "
+                          "returned")
+    return delivered
+
+
+def _resumes_after(loader_state) -> int | None:
+    """How many batches of its epoch a loader state says were delivered: 0 between epochs,
+    ``None`` where it restarts its epoch (``progress.inexact``) or cannot say (a malformed state,
+    which the loader refuses with its own error)."""
+    if not isinstance(loader_state, dict) or "progress" not in loader_state:
+        return None
+    progress = loader_state["progress"]
+    if progress is None:
+        return 0
+    if not isinstance(progress, dict) or progress.get("inexact") is not None:
+        return None
+    delivered = progress.get("delivered")
+    if not isinstance(delivered, dict):
+        return None
+    below, also = delivered.get("below"), delivered.get("also")
+    if type(below) is not int or not isinstance(also, (list, tuple)):
+        return None
+    return below + len(also)
 
 
 def _length(loader) -> int | None:

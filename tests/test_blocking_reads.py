@@ -1,0 +1,65 @@
+"""A blocking call inside ``async def read`` (``time.sleep``, a synchronous HTTP client) holds
+the event loop that runs the reads, so the other reads in flight and ``read_timeout`` wait:
+the loader says so once, with a BlockingReadWarning naming the dataset's read and the fix,
+wherever the reads run -- the loader's loop, a worker's, an executor's task."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import warnings
+
+import pytest
+import torch
+
+import aioload
+from tests.executor_data import BlocksInRead
+
+WHERE = {
+    "loader": "on the loader's event loop",
+    "workers": "in an aioload worker",
+    "executor": "on ProcessPoolExecutor",
+}
+
+
+def load(where: str, dataset) -> list:
+    kwargs = {"loader": dict(num_workers=2, read_in_workers=False), "workers": dict(num_workers=1),
+              "executor": {}}[where]
+    with concurrent.futures.ProcessPoolExecutor(1) as pool:
+        if where == "executor":
+            kwargs["executor"] = pool
+        with aioload.DataLoader(dataset, batch_size=6, **kwargs) as loader:
+            return [i for batch in loader for i in batch.flatten().tolist()]
+
+
+@pytest.mark.parametrize("where", ["loader", "workers", "executor"])
+def test_a_read_that_blocks_its_loop_is_warned_about_once(where):
+    with pytest.warns(aioload.BlockingReadWarning) as said:
+        assert load(where, BlocksInRead(30, block=0.06)) == list(range(30))
+    assert len(said) == 1
+    message = str(said[0].message)
+    assert message.startswith(f"tests.executor_data.BlocksInRead.read blocks its event loop {WHERE[where]}: ")
+    assert "await asyncio.to_thread(f, ...)" in message and "async client" in message
+    assert said[0].filename == __file__  # pointed at the loop that iterates the loader
+
+
+@pytest.mark.parametrize("where", ["loader", "workers"])
+def test_one_blocking_step_is_not_a_stall(where):
+    # a first read that blocks once (a module imported, a client set up) is no habit: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", aioload.BlockingReadWarning)
+        assert load(where, BlocksInRead(18, block=1.2, only_first=True)) == list(range(18))
+
+
+def test_reads_that_await_are_not_warned_about():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", aioload.BlockingReadWarning)
+        assert load("workers", BlocksInRead(60, block=0.0)) == list(range(60))
+
+
+def test_the_warning_is_a_runtime_warning_that_can_be_filtered():
+    assert issubclass(aioload.BlockingReadWarning, RuntimeWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=aioload.BlockingReadWarning)
+        assert load("loader", BlocksInRead(30, block=0.06)) == list(range(30))
+    assert torch.tensor(0).item() == 0
