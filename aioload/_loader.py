@@ -370,6 +370,12 @@ class DataLoader(Generic[_T_co]):
         ctx.plan, ctx.progress, ctx.budget = plan, self._progress, engine.budget
         ctx.engine, ctx.ready, ctx.transfer = engine, ready, transfer
 
+    def _epoch_position(self) -> tuple[int, int | None]:
+        """``(batches already delivered, batches in all)`` of the epoch the next iteration runs
+        on this rank: a loaded state's epoch as it resumes on the world there is now (for
+        integrations that count an epoch's batches themselves, such as Accelerate's)."""
+        return self._planner.position(self._resume)
+
     def stats(self) -> LoaderStats:
         """A snapshot of the pipeline's counters (see :class:`aioload.LoaderStats`)."""
         if self._res.shared.slots is not None:

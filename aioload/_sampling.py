@@ -460,6 +460,25 @@ class Planner:
         size = t.batch_size
         return [indices[i : i + size] for i in range(0, len(indices), size)]
 
+    def position(self, resume: dict | None) -> tuple[int, int | None]:
+        """``(batches delivered, batches in all)`` on this rank of the epoch the next iteration
+        runs: the loaded state's epoch as it resumes on the world there is now (the rest of an
+        epoch dealt again over another world size has batches of its own), else a whole epoch.
+        ``None`` in all where the sampler has no ``len()``."""
+        length = _len_or_none(self.torch._index_sampler)
+        progress = resume["progress"] if resume is not None else None
+        if progress is None or self.iterable:
+            return 0, length
+        elastic = self._elastic(resume)
+        if elastic is None:
+            delivered = progress["delivered"]
+            return delivered["below"] + len(delivered["also"]), length
+        segments, delivered = elastic
+        rest = rest_of_epoch(self._shards().order(progress["order_seed"], resume["epoch"]).numel(), segments,
+                             self._deal).numel()
+        _, world = self._shards().ranks() or (0, 1)
+        return len(delivered), self._deal(world).batches(rest)
+
     def _check_elastic(self, resume: dict) -> None:
         """A position saved on other world sizes, checked against the batches each part of its
         epoch had there (the part's length follows from the epoch's order and the parts before)."""

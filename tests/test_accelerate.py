@@ -19,7 +19,9 @@ SAMPLES = 40
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Ranks:
     out = tmp_path_factory.mktemp("accelerate")
-    return Ranks(start(torchrun_args("accelerate_run.py", [str(out)])), out, world=2)
+    found = Ranks(start(torchrun_args("accelerate_run.py", [str(out)])), out, world=2)
+    found.out = out  # type: ignore[attr-defined]
+    return found
 
 
 def flat(steps: list) -> list[int]:
@@ -75,6 +77,30 @@ def test_save_state_and_load_state_resume_every_rank_exactly(ranks):
         assert [s["indices"] for s in first + rest] == [s["indices"] for s in full]
         assert [s["end"] for s in rest] == [False, False, True, False, False]
     assert flat(runs[0][0]) != flat(runs[0][1])
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_two_rank_state_resumes_on_another_number_of_processes(ranks, world, tmp_path):
+    state = ranks.out / "state"  # saved by the two-rank run at step 7: 2 batches into epoch 1
+    job = start(torchrun_args("accelerate_run.py", [str(tmp_path), "--elastic-from", str(state)], nproc=world))
+    assert job.returncode == 0, job.output
+    import json
+
+    runs = [json.loads((tmp_path / f"elastic.rank{r}.json").read_text()) for r in range(world)]
+    # The rest of epoch 1: the two-rank epoch's batches after the first two of each rank
+    # (24 of 40 samples), dealt over the new ranks; end_of_dataloader with each rank's last.
+    full = [steps[5:10] for steps in ranks.case("resume/full")]
+    rest = sorted(i for steps in full for step in steps[2:] for i in step["indices"])
+    got = [flat(run["rest"]) for run in runs]
+    share = -(-24 // world)
+    assert all(len(g) == share for g in got)
+    assert sorted(set(i for g in got for i in g)) == sorted(set(rest)) and sum(map(len, got)) == world * share
+    for run in runs:
+        ends = [s["end"] for s in run["rest"]]
+        assert ends == [False] * (len(ends) - 1) + [True], ends
+        # Accelerate counts accumulation steps on from its own saved step; the epoch's last
+        # batch steps the optimiser whatever that count is, as it does with torch's loaders.
+        assert run["rest"][-1]["sync"] is True
 
 
 def test_the_run_exits_cleanly(ranks):

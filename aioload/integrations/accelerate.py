@@ -18,7 +18,9 @@ Accelerate never learns where an epoch ends: ``gradient_state.end_of_dataloader`
             with accelerator.accumulate(model): ...
 
 It also registers the loader for ``accelerator.save_state()``/``load_state()``: a resumed run
-continues on every rank at the batch where the saved one stopped, with no batches to skip.
+continues on every rank at the batch where the saved one stopped, with no batches to skip,
+also on another number of processes (the rest of the epoch is dealt over them, and
+``end_of_dataloader`` comes with its last batch there).
 ``accelerator.skip_first_batches`` would rebuild the loader as a torch DataLoader; use this
 module's :func:`skip_first_batches` where skipping is still wanted.
 """
@@ -95,7 +97,10 @@ class PreparedLoader(DataLoaderStateMixin):
                 "not the state of a prepared loader: pass what PreparedLoader.state_dict() returned "
                 "(a bare loader's own state goes to loader.loader.load_state_dict)"
             )
-        delivered = _check_delivered(state["delivered"], _length(self.loader))
+        # A state saved on another number of ranks counts that world's batches (elastic resume:
+        # the rest of the epoch is dealt again here); it is checked against its loader state.
+        same_world = _saved_world(state["loader"]) in (None, self._num_processes)
+        delivered = _check_delivered(state["delivered"], _length(self.loader) if same_world else None)
         at = _resumes_after(state["loader"])
         if at is not None and at != delivered:
             raise ResumeError(
@@ -110,13 +115,18 @@ class PreparedLoader(DataLoaderStateMixin):
 
     # -- one epoch --------------------------------------------------------------------------
     def __iter__(self) -> Iterator:
-        start = self._resume_at[1] if self._resume_at is not None else 0
+        total = _length(self.loader)
+        start = 0
+        if self._resume_at is not None:
+            start = self._resume_at[1]
+            position = getattr(self.loader, "_epoch_position", None)
+            if callable(position) and total is not None:
+                start, total = position()  # the loaded epoch as it resumes on this world
         self._resume_at = None
         self._delivered = start
         self.begin()  # resets end_of_dataloader, makes this the gradient state's active loader
         self.remainder = self._padded_remainder()
         try:
-            total = _length(self.loader)
             batches = iter(self.loader)
             if total is None:
                 yield from self._read_ahead(batches)
@@ -204,6 +214,13 @@ def _resumes_after(loader_state) -> int | None:
     if type(below) is not int or not isinstance(also, (list, tuple)):
         return None
     return below + len(also)
+
+
+def _saved_world(loader_state) -> int | None:
+    """The number of ranks a loader state was saved on (``None``: not said)."""
+    config = loader_state.get("config") if isinstance(loader_state, dict) else None
+    world = config.get("world_size") if isinstance(config, dict) else None
+    return world if isinstance(world, int) and not isinstance(world, bool) else None
 
 
 def _length(loader) -> int | None:

@@ -15,6 +15,8 @@ Each rank writes ``OUT/rank<r>.json`` with, per case, what its training loop saw
 * ``resume/full``: 12 steps (5 an epoch); ``resume/first``: 7 steps, then
   ``accelerator.save_state()``; ``resume/rest``: a new Accelerator and loader,
   ``load_state()``, on to step 12;
+* ``elastic`` (``--elastic-from STATE``, another number of processes): the two-rank state
+  loaded and the rest of its epoch trained, with ``sync_gradients`` and ``end_of_dataloader``;
 * ``prepare_returns_it``: whether ``accelerator.prepare`` handed a bare aioload loader back;
   ``accumulate/bare``: the ``accumulate`` loop over such a bare loader, for comparison.
 
@@ -91,6 +93,27 @@ def train(accelerator: Accelerator, loader, steps: int, first_epoch: int = 0, do
     return seen
 
 
+def elastic(out: str, state: str) -> None:
+    """``elastic/rest``: the two-rank run's ``save_state`` at step 7 (2 batches into epoch 1),
+    loaded by a job of another size, which trains the rest of that epoch."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    loader = prepare(accelerator, make_loader())
+    accelerator.load_state(state)
+    model, optimizer = model_and_optimizer(accelerator)
+    loader.set_epoch(1)  # the saved epoch (a training script keeps it in its checkpoint)
+    rest = []
+    for batch in loader:  # the rest of epoch 1, as it resumes on this world
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch.float().view(-1, 1)).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        rest.append({"indices": batch.tolist(), "sync": accelerator.sync_gradients,
+                     "end": accelerator.gradient_state.end_of_dataloader})
+    with open(os.path.join(out, f"elastic.rank{accelerator.process_index}.json"), "w") as f:
+        json.dump({"rest": rest, "len": len(loader)}, f)
+    accelerator.end_training()
+
+
 def main(out: str) -> None:
     result: dict = {}
     rank = int(os.environ["RANK"])
@@ -148,4 +171,7 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) > 3 and sys.argv[2] == "--elastic-from":
+        elastic(sys.argv[1], sys.argv[3])
+    else:
+        main(sys.argv[1])
