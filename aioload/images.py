@@ -286,17 +286,8 @@ class ImageFolder(_Images):
                  read_in: str = "auto", decode_device: str | torch.device | None = None):
         self.root = os.fspath(root)
         extensions = IMG_EXTENSIONS if is_valid_file is None else None
-        kind, where = locate(self.root)
-        if kind == "local":
-            self.classes, self.class_to_idx = find_classes(where)
-            samples = make_dataset(where, self.class_to_idx, extensions, is_valid_file, allow_empty)
-        elif kind == "fsspec":
-            options = storage.storage_options if storage is not None else {}
-            self.classes, self.class_to_idx, samples = _listed_folder(self.root, options, extensions,
-                                                                      is_valid_file, allow_empty)
-        else:
-            raise ValueError(f"ImageFolder needs a root it can list, got {self.root!r}: HTTP servers "
-                             "cannot list folders; pass the image URLs to aioload.ImageFiles instead")
+        self.classes, self.class_to_idx, samples = class_folder(self.root, storage, extensions, is_valid_file,
+                                                                allow_empty, "ImageFolder", "aioload.ImageFiles")
         self.extensions = extensions
         targets = np.array([t for _, t in samples], dtype=np.int64)
         self._setup([p for p, _ in samples], targets, transform, target_transform, decode_size, storage, cache,
@@ -314,6 +305,22 @@ class ImageFolder(_Images):
 
     def __repr__(self) -> str:
         return f"ImageFolder(root={self.root!r}, samples={len(self)}, classes={len(self.classes)})"
+
+
+def class_folder(root: str, storage: Storage | None, extensions, is_valid_file, allow_empty: bool, name: str,
+                 files_class: str) -> tuple[list[str], dict[str, int], list[tuple[str, int]]]:
+    """``(classes, class_to_idx, samples)`` of a class-per-folder tree, as torchvision's
+    ``ImageFolder`` finds them: a local folder, or an fsspec URL listed through ``storage``'s
+    options. ``name`` and ``files_class`` word the error for a root that cannot be listed."""
+    kind, where = locate(root)
+    if kind == "local":
+        classes, class_to_idx = find_classes(where)
+        return classes, class_to_idx, make_dataset(where, class_to_idx, extensions, is_valid_file, allow_empty)
+    if kind == "fsspec":
+        options = storage.storage_options if storage is not None else {}
+        return _listed_folder(root, options, extensions, is_valid_file, allow_empty)
+    raise ValueError(f"{name} needs a root it can list, got {root!r}: HTTP servers cannot list folders; pass "
+                     f"the URLs to {files_class} instead")
 
 
 def _listed_folder(root: str, options, extensions, is_valid_file, allow_empty):

@@ -342,24 +342,13 @@ class VideoFolder(_Videos):
                  is_valid_file: Callable[[str], bool] | None = None, allow_empty: bool = False,
                  storage: Storage | None = None, seek_mode: str = "approximate",
                  metadata: Sequence[tuple[int, float]] | None = None, whole_file_bytes: int = WHOLE_FILE_BYTES):
-        from torchvision.datasets.folder import find_classes, make_dataset
-
-        from aioload.images import _listed_folder
+        from aioload.images import class_folder
 
         self.root = os.fspath(root)
         if is_valid_file is not None:
             extensions = None
-        kind, where = locate(self.root)
-        if kind == "local":
-            self.classes, self.class_to_idx = find_classes(where)
-            samples = make_dataset(where, self.class_to_idx, extensions, is_valid_file, allow_empty)
-        elif kind == "fsspec":
-            options = storage.storage_options if storage is not None else {}
-            self.classes, self.class_to_idx, samples = _listed_folder(self.root, options, extensions,
-                                                                      is_valid_file, allow_empty)
-        else:
-            raise ValueError(f"VideoFolder needs a root it can list, got {self.root!r}: HTTP servers cannot list "
-                             "folders; pass the video URLs to aioload.VideoFiles instead")
+        self.classes, self.class_to_idx, samples = class_folder(self.root, storage, extensions, is_valid_file,
+                                                                allow_empty, "VideoFolder", "aioload.VideoFiles")
         self.extensions = extensions
         targets = np.array([t for _, t in samples], dtype=np.int64)
         self._setup([p for p, _ in samples], targets, frames_per_clip, clips, clips_per_video, frame_step,
