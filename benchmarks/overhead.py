@@ -42,7 +42,8 @@ not the interference.
 ``profile``: runs one aioload row alone for ``--epochs`` epochs and records the main process
 with ``py-spy`` (started on this process after the first batch, stopped after the last), then
 prints the functions that hold the largest shares of the samples (self time, per thread, and
-a few inclusive groups).
+a few inclusive groups). ``--step-ms`` gives the loop a step's worth of pure-Python work per
+batch, as a training loop has.
 
 ``--json PATH`` writes the rows and the run's settings as JSON too.
 """
@@ -488,9 +489,11 @@ def profile_case(args) -> dict:
             loader = aioload.DataLoader(files, io_concurrency=args.io_concurrency, **common)
         spy = None
         images = 0
+        work = calibrate(args.step_ms) if args.step_ms > 0 else 0
         try:
             for epoch in range(args.epochs):
                 for batch in loader:
+                    python_work(work)  # a training step's Python-side work, with --step-ms
                     if spy is None:
                         command = ["py-spy", "record", "--pid", str(os.getpid()), "--rate", str(args.rate),
                                    "--format", "raw", "--threads", "--output", args.output]
@@ -645,6 +648,8 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=3, help="profile: epochs to record")
     parser.add_argument("--rate", type=int, default=200, help="profile: py-spy samples per second")
     parser.add_argument("--gil", action="store_true", help="profile: only samples holding the GIL")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="profile: pure-Python work per batch in the training loop (a step's dispatch)")
     parser.add_argument("--nonblocking", action="store_true", help="profile: py-spy does not pause the process")
     parser.add_argument("--native", action="store_true", help="profile: C frames too (py-spy --native)")
     parser.add_argument("--top", type=int, default=15)
