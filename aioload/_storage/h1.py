@@ -30,7 +30,7 @@ import asyncio
 import re
 import ssl as _ssl
 import time
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 HEAD_LIMIT = 64 * 1024
 """The largest response head (status line and headers) accepted, in bytes; also the
@@ -400,7 +400,7 @@ class Target:
         self.path = path + ("?" + quote(parts.query, safe="/%:@!$&'()*+,;=~?") if parts.query else "")
         self.userinfo = None
         if parts.username is not None:
-            self.userinfo = (parts.username, parts.password or "")
+            self.userinfo = (unquote(parts.username), unquote(parts.password or ""))
 
 
 class Pool:

@@ -87,6 +87,9 @@ class Client:
     def pool(self, target: h1.Target) -> h1.Pool:
         pool = self._pools.get(target.origin)
         if pool is None:
+            if self.closed:  # a read still running when the storage was closed on this loop
+                raise Permanent("the storage's connections on this loop were closed while the read ran",
+                                remedy="not retried: read again (a new client is made)")
             tls = None
             if target.origin[0] == "https":
                 if self._tls is None:
