@@ -120,6 +120,8 @@ class Raw:
                     await asyncio.Event().wait()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
+        except asyncio.CancelledError:
+            pass  # the test is over (__aexit__): end quietly, as start_server's callback expects
         finally:
             writer.close()
 
@@ -186,6 +188,25 @@ def test_concurrent_reads_open_at_most_connections_per_host():
     got, peers = run(main)
     assert got == [BODY] * 30
     assert len(set(peers)) == 3  # three connections, each reused
+
+
+def test_waiting_for_a_connection_is_not_counted_against_the_timeout():
+    # One connection, four reads at once, each answered after 0.3 s: the last waits about
+    # 0.9 s for the connection, longer than the timeout, yet no attempt times out.
+    async def slow(request):
+        await asyncio.sleep(0.3)
+        return web.Response(body=BODY)
+
+    async def main():
+        async with Web() as srv:
+            srv.routes["a"] = slow
+            storage = aioload.Storage(retry=aioload.RetryPolicy(attempts=1, timeout=0.6), connections_per_host=1)
+            got = await asyncio.gather(*(storage.read_bytes(srv.url("a")) for _ in range(4)))
+            return got, srv.peers
+
+    got, peers = run(main)
+    assert got == [BODY] * 4
+    assert len(peers) == 4 and len(set(peers)) == 1
 
 
 def test_an_idle_connection_the_server_closed_is_replaced_without_spending_an_attempt():
@@ -277,6 +298,20 @@ def test_a_large_chunked_body_from_aiohttp_passes_through_the_bounded_buffer(loo
     first, second, peers = run(main, loop)
     assert first == data and second == data
     assert len(set(peers)) == 1
+
+
+def test_many_tiny_chunks_cross_the_receive_buffer_many_times():
+    # 3 x 1,463 chunks of 7 bytes and their size lines: about 210 KB of framing, written at
+    # once, so lines and chunks straddle the 64 KiB buffer as it fills, pauses and moves down.
+    pieces = [BODY[i:i + 7] for i in range(0, len(BODY), 7)] * 3
+
+    async def main():
+        async with Raw(lambda n: chunked(pieces)) as srv:
+            storage = aioload.Storage(retry=ONCE)
+            return [await storage.read_bytes(srv.url()) for _ in range(2)], srv.connections
+
+    got, connections = run(main)
+    assert got == [BODY * 3] * 2 and connections == 1
 
 
 def test_a_body_that_ends_with_the_connection():

@@ -15,6 +15,10 @@ first read and how many reads it has. Then:
   count: the count never holds back a read the loader is waiting for, so it cannot deadlock
   (reads in flight, not the fetcher, decide how far ahead the loader is).
 
+A fetched shard is held as it was received (:class:`Held`): over HTTP, the buffer its body was
+received into, in place, never joined from pieces nor copied into ``bytes`` whole; each read
+copies out its sample alone.
+
 Memory: at every point of a window order exactly ``k`` shards have begun and not ended, so
 the fetcher holds ``k + ahead`` shards, plus the shards whose first sample lies among the
 reads the loader has in flight beyond them (about ``reads in flight / samples per shard``).

@@ -154,7 +154,7 @@ class Connection(asyncio.BufferedProtocol):
             return self._sink[self._sunk:]
         if self._end == HEAD_LIMIT:  # only reached with unread bytes at the front: move them down
             kept = self._end - self._start
-            self._buf[:kept] = self._view[self._start:self._end]
+            self._buf[:kept] = bytes(self._view[self._start:self._end])  # a copy: the ranges overlap
             self._start, self._end = 0, kept
         return self._view[self._end:]
 
