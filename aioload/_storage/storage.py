@@ -171,7 +171,7 @@ class Storage:
             cache.put(target, data)
         return data
 
-    async def _read(self, target, offset: int | None, length: int | None) -> bytes:
+    async def _read(self, target, offset: int | None, length: int | None) -> bytes | bytearray:
         kind, where = locate(target)
         cache = self._cache_for(kind)
         key = target if offset is None else range_key(target, offset, length)
@@ -185,7 +185,7 @@ class Storage:
             await _cache_call(cache, cache.put, key, data)
         return data
 
-    async def _fetch(self, kind: str, where, offset: int | None, length: int | None) -> bytes:
+    async def _fetch(self, kind: str, where, offset: int | None, length: int | None) -> bytes | bytearray:
         if kind == "local":
             return await _read_local_async(where, offset or 0, length)
         policy = self.retry
