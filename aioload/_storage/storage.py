@@ -4,7 +4,7 @@ One entry point for every place data lives, chosen by the URL's scheme:
 
 * a local path (or ``file://`` URL): one call into a thread (``aiofiles``' executor wrapper),
   open, read and close together, one hand-off instead of three;
-* ``http://`` and ``https://``: aioload's own HTTP/1.1 client (``_http`` over ``_h1``), one
+* ``http://`` and ``https://``: aioload's own HTTP/1.1 client (``_http`` over ``h1``), one
   keep-alive pool per event loop and origin, retried per :class:`RetryPolicy`, bounded by
   ``max_bytes``, redirects followed within the URL's origin;
 * any other ``scheme://`` (``s3://``, ``gs://``, ``memory://``, ...): fsspec, when it and the
