@@ -45,7 +45,7 @@ from aioload._shards.urls import shard_urls
 from aioload._shards.window import Staged, Window
 from aioload._storage import scope as _scope
 from aioload._storage.mounts import is_network
-from aioload._storage.storage import Storage, locate
+from aioload._storage.storage import Storage, locate, read_buffer
 from aioload._strings import StringList
 
 logger = logging.getLogger("aioload")
@@ -294,7 +294,8 @@ class WebDataset(Dataset):
                 self._window.served(index, shard)
         self._fault(index)
         start, end = int(self._starts[index]), int(self._ends[index])
-        return await self.storage.read_range(self.urls[shard], start, end - start), index
+        # the members are copied out of the range in members(): the range is read without a copy of its own
+        return await read_buffer(self.storage, self.urls[shard], start, end - start), index
 
     def _slice(self, data: bytes | Staged, index: int, shard: int) -> tuple[Any, int]:
         start, end = int(self._starts[index]), int(self._ends[index])

@@ -67,46 +67,13 @@ async def _info(storage: Storage, url: str) -> Version:
 
 async def _head(storage: Storage, url: str) -> Version:
     client = await _http.client(storage, storage.connections_per_host, storage.headers)
-    home = _http.origin(url)
-    current = url
-    async with client.slot(url):
-        try:
-            async with asyncio.timeout(storage.retry.timeout):
-                for _ in range(_http.MAX_REDIRECTS + 1):
-                    headers = dict(client.headers) if _http.origin(current) == home else {}
-                    headers["Accept-Encoding"] = "identity"
-                    async with client.session.head(current, headers=headers, allow_redirects=False) as resp:
-                        if resp.status in (405, 501):  # no HEAD here: the first byte says the size
-                            return await _first_byte(client, current, headers)
-                        target = _redirect(resp, current, url, storage.redirects)
-                        if target is None:
-                            return _from_headers(resp.status, resp.reason, resp.headers, None)
-                        current = target
-                raise Permanent(f"more than {_http.MAX_REDIRECTS} redirects")
-        except TimeoutError as exc:
-            raise Transient(f"no answer within timeout={storage.retry.timeout:g} s") from exc
-        except _http.aiohttp.ClientConnectionError as exc:
-            raise Transient(f"connection error: {type(exc).__name__}: {exc}") from exc
-
-
-async def _first_byte(client, url: str, headers: dict) -> Version:
-    async with client.session.get(url, headers={**headers, "Range": "bytes=0-0"}, allow_redirects=False) as resp:
-        if resp.status != 206:  # the whole object is on its way: its Content-Length is the size
-            resp.close()
-            return _from_headers(resp.status, resp.reason, resp.headers, None)
-        await resp.read()
-        return _from_headers(resp.status, resp.reason, resp.headers, resp.headers.get("Content-Range"))
-
-
-def _redirect(resp, current: str, first: str, rule: str) -> str | None:
-    location = resp.headers.get("Location")
-    if resp.status not in (301, 302, 303, 307, 308) or location is None:
-        return None
-    target = str(resp.url.join(_http.yarl.URL(location)))
-    reason = _http.redirect_refusal(current, target, first, rule)
-    if reason is not None:
-        raise Permanent(reason, resp.status)
-    return target
+    timeout, rule = storage.retry.timeout, storage.redirects
+    resp = await _http.head(client, url, timeout, redirects=rule)
+    if resp.status in (405, 501):  # no HEAD here: the first byte says the size
+        resp = await _http.head(client, url, timeout, redirects=rule, first_byte=True)
+        if resp.status == 206:
+            return _from_headers(resp.status, resp.reason, resp.headers, resp.headers.get("content-range"))
+    return _from_headers(resp.status, resp.reason, resp.headers, None)
 
 
 def _from_headers(status: int, reason: str | None, headers, content_range: str | None) -> Version:
@@ -120,10 +87,10 @@ def _from_headers(status: int, reason: str | None, headers, content_range: str |
             raise Permanent(f"Content-Range {content_range!r} does not give the size", status)
         size = int(match.group(1))
     else:
-        length = headers.get("Content-Length")
+        length = headers.get("content-length")
         if length is None or not length.strip().isdigit():
             raise Permanent(f"no Content-Length in the answer to HEAD ({length!r})", status,
                             remedy="not retried: the shard's size must be known to index it")
         size = int(length)
-    tag = headers.get("ETag") or headers.get("Last-Modified") or ""
+    tag = headers.get("etag") or headers.get("last-modified") or ""
     return Version(size, tag)

@@ -15,6 +15,10 @@ first read and how many reads it has. Then:
   count: the count never holds back a read the loader is waiting for, so it cannot deadlock
   (reads in flight, not the fetcher, decide how far ahead the loader is).
 
+A fetched shard is held as it was received (:class:`Held`): over HTTP, the buffer its body was
+received into, in place, never joined from pieces nor copied into ``bytes`` whole; each read
+copies out its sample alone.
+
 Memory: at every point of a window order exactly ``k`` shards have begun and not ended, so
 the fetcher holds ``k + ahead`` shards, plus the shards whose first sample lies among the
 reads the loader has in flight beyond them (about ``reads in flight / samples per shard``).
@@ -47,7 +51,27 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from aioload._storage.storage import Storage
+from aioload._storage.storage import Storage, read_buffer
+
+
+class Held:
+    """A fetched shard's bytes as they were received (over HTTP: the buffer the body was
+    received into, never copied whole); each slice is ``bytes`` of its own."""
+
+    __slots__ = ("_view",)
+
+    def __init__(self, data: bytes | bytearray):
+        self._view = memoryview(data).toreadonly()
+
+    def __len__(self) -> int:
+        return self._view.nbytes
+
+    def __getitem__(self, part: slice) -> bytes:
+        return self._view[part].tobytes()
+
+    def write_to(self, path: str) -> None:
+        with open(path, "wb") as f:
+            f.write(self._view)
 
 
 class Staged:
@@ -60,11 +84,6 @@ class Staged:
 
     def __len__(self) -> int:
         return self.size
-
-
-def _write(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 def _remove_folder(path: str, owner: int) -> None:
@@ -120,7 +139,7 @@ class Window:
         self._loop = loop
         self._plan: _Plan | None = None
         self._next = 0  # position in the plan's queue of the next shard to fetch ahead
-        self._held: dict[int, bytes] = {}
+        self._held: dict[int, Held | Staged] = {}
         self._fetching: dict[int, asyncio.Task] = {}
         self._failed: dict[int, BaseException] = {}
         self._loose: collections.OrderedDict[int, None] = collections.OrderedDict()  # fetched without a plan
@@ -161,7 +180,7 @@ class Window:
             self.peak_bytes = 0  # the peak of each epoch
             self._pump()
 
-    def at_hand(self, shard: int) -> bytes | Staged | None:
+    def at_hand(self, shard: int) -> Held | Staged | None:
         """The shard's bytes when it is held (nothing is fetched for it here); ``None`` also
         off the loop (a worker's receiving thread, when a loader makes the workers read)."""
         try:
@@ -171,7 +190,7 @@ class Window:
         self._here()
         return self._held.get(shard)
 
-    async def fetched(self, shard: int) -> bytes | Staged:
+    async def fetched(self, shard: int) -> Held | Staged:
         """The shard's bytes, fetched now if need be (a failed fetch raises its error for every
         read of that shard in this epoch, without asking again)."""
         self._here()
@@ -242,15 +261,15 @@ class Window:
         self._fetching[shard] = task
         return task
 
-    async def _fetch(self, shard: int) -> bytes | Staged:
+    async def _fetch(self, shard: int) -> Held | Staged:
         url = self.urls[shard]
         try:
-            data = await self.storage.read_bytes(url)
+            data = Held(await read_buffer(self.storage, url))
             kept = await self._stage(shard, data) if self.folder is not None else data
         except Exception as exc:
             self._failed[shard] = exc  # its message names the shard's URL; each read adds its sample
             self._fetching.pop(shard, None)
-            return b""
+            return Held(b"")
         except BaseException:
             self._fetching.pop(shard, None)
             raise
@@ -263,14 +282,14 @@ class Window:
         self._pump()
         return kept
 
-    async def _stage(self, shard: int, data: bytes) -> Staged:
+    async def _stage(self, shard: int, data: Held) -> Staged:
         """Write a fetched shard into this process's staging folder (made on first use)."""
         if self._staging is None:
             os.makedirs(self.folder, exist_ok=True)
             self._staging = tempfile.mkdtemp(prefix=f"aioload-window-{os.getpid()}-", dir=self.folder)
             self._finalizer = weakref.finalize(self, _remove_folder, self._staging, os.getpid())
         path = os.path.join(self._staging, f"{shard:06d}-{self.fetches:08d}.tar")
-        await asyncio.to_thread(_write, path, data)
+        await asyncio.to_thread(data.write_to, path)
         self._held_files.add(path)
         return Staged(path, len(data))
 

@@ -1,5 +1,6 @@
 """Where bytes come from: ``storage`` (local files, URLs, object stores behind one
-``Storage``), ``http`` (aiohttp GETs), ``fsspec``, ``retry``, ``cache`` (in memory) and
-``diskcache`` (a shared folder), ``mounts`` (which local paths are network file systems) and
-``scope`` (sessions that live as long as an event loop).
+``Storage``), ``http`` (one HTTP request attempt: limits, redirects, errors) over ``h1`` (the
+HTTP/1.1 client: connections and keep-alive pools), ``fsspec``, ``retry``, ``cache`` (in
+memory) and ``diskcache`` (a shared folder), ``mounts`` (which local paths are network file
+systems) and ``scope`` (pools and clients that live as long as an event loop).
 """

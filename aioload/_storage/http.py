@@ -1,43 +1,45 @@
-"""One HTTP GET attempt with aiohttp, bounded and classified for the retry loop.
+"""One HTTP request attempt, bounded and classified for the retry loop, over aioload's own
+HTTP/1.1 client (:mod:`aioload._storage.h1`).
 
-Each event loop gets one pooled :class:`aiohttp.ClientSession` per :class:`aioload.Storage`
-(keep-alive connections, reused across reads), closed when the loop ends (see ``_scope``).
-A per-host semaphore holds requests beyond ``connections_per_host`` *before* the attempt's
-timeout starts, so waiting for a free connection never counts as a slow server.
+Each event loop gets one :class:`Client` per :class:`aioload.Storage`: a keep-alive pool of
+connections per origin, closed when the loop ends (see ``_scope``). Each pool's semaphore
+holds requests beyond ``connections_per_host`` *before* the attempt's clock runs, so waiting
+for a free connection never counts as a slow server (for a redirect to another origin, the
+clock stops while its connection is waited for).
 
 What a server can make a read hold or send is bounded here:
 
-* the body is streamed and counted: a ``Content-Length`` above ``max_bytes`` fails before the
-  body is read, and a body that grows past it (no ``Content-Length``, an endless chunked body)
-  fails as it passes it; neither is retried;
-* bytes are kept as sent (``Accept-Encoding: identity``, aiohttp's own decompression off);
-  with ``decompress=True`` gzip and deflate bodies are decoded here, in bounded steps, and
-  ``max_bytes`` bounds the decoded size too;
+* a ``Content-Length`` above ``max_bytes`` fails before the body is read, and a body that
+  grows past it (no ``Content-Length``, an endless chunked body) fails as it passes it;
+  neither is retried. A body of known length that is wanted whole is received in place into
+  one buffer; the others are taken in pieces and counted;
+* bytes are kept as sent (``Accept-Encoding: identity``); with ``decompress=True`` gzip and
+  deflate bodies are decoded here, in bounded steps, and ``max_bytes`` bounds the decoded
+  size too;
 * a range read keeps at most ``length`` bytes: when the server ignores ``Range`` (200 instead
   of 206) the body is read up to ``offset + length`` and the connection is closed;
 * redirects are followed by hand, at most ``MAX_REDIRECTS``, within the URL's origin by
   default (see :func:`redirect_refusal`); the storage's ``headers`` are sent only to that
-  origin.
+  origin, and credentials in a URL (``user:password@``) to that URL alone.
+
+A keep-alive connection that the server closed while it was idle is noticed when it is taken
+(or when the request on it gets no byte back): the request is sent once more, on a new
+connection, within the same attempt.
 """
 
 from __future__ import annotations
 
-import asyncio
+import base64
 import re
+import ssl
+import time
 import zlib
-from typing import Mapping
-from urllib.parse import urlsplit
+from typing import Awaitable, Mapping
+from urllib.parse import urljoin, urlsplit
 
+from aioload._storage import h1
 from aioload._storage import scope as _scope
 from aioload._storage.retry import Permanent, Transient, parse_retry_after
-
-try:
-    import aiohttp
-    import yarl
-except ImportError:  # pragma: no cover - exercised only where aiohttp is missing
-    aiohttp = None
-
-MISSING_AIOHTTP = "reading http:// and https:// URLs needs aiohttp: pip install 'aioload[http]'"
 
 REDIRECTS = ("same-origin", "any", "none")
 """The values of ``Storage(redirects=...)``."""
@@ -46,35 +48,96 @@ MAX_REDIRECTS = 10
 _REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _DECODE_STEP = 1 << 20  # the most decoded bytes one step of a decoder may produce
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_TARGETS_KEPT = 4096  # parsed URLs remembered per client
+USER_AGENT = "aioload"
+
+
+def check_headers(headers: Mapping[str, str] | None) -> None:
+    """Refuse request headers that would not be sent as given (``ValueError``)."""
+    for name, value in (headers or {}).items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError(f"headers must map str to str, got {name!r}: {value!r}")
+        if not _TOKEN.match(name) or any(c in value for c in "\r\n\0"):
+            raise ValueError(f"headers must be HTTP field names with values free of CR, LF and NUL, "
+                             f"got {name!r}: {value!r}")
 
 
 class Client:
-    """The session and the per-host connection slots of one storage on one loop."""
+    """The connection pools of one storage on one loop, and what every request sends."""
 
     def __init__(self, connections_per_host: int, headers: Mapping[str, str] | None):
-        if aiohttp is None:
-            raise ImportError(MISSING_AIOHTTP)
         self.limit = connections_per_host
         self.headers = dict(headers) if headers else {}  # sent only to the URL's own origin
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=connections_per_host)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                             timeout=aiohttp.ClientTimeout(total=None))
-        self._hosts: dict[str, asyncio.Semaphore] = {}
+        self._names = {name.lower() for name in self.headers}
+        self._own = "".join(f"{name}: {value}\r\n" for name, value in self.headers.items())
+        self._pools: dict[tuple[str, str, int], h1.Pool] = {}
+        self._targets: dict[str, h1.Target] = {}
+        self._tls: ssl.SSLContext | None = None
+        self.closed = False
 
-    def slot(self, url: str) -> asyncio.Semaphore:
-        host = urlsplit(url).netloc
-        sem = self._hosts.get(host)
-        if sem is None:
-            sem = self._hosts[host] = asyncio.Semaphore(self.limit)
-        return sem
+    def target(self, url: str) -> h1.Target:
+        target = self._targets.get(url)
+        if target is None:
+            if len(self._targets) >= _TARGETS_KEPT:
+                self._targets.clear()
+            target = self._targets[url] = h1.Target(url)
+        return target
+
+    def pool(self, target: h1.Target) -> h1.Pool:
+        pool = self._pools.get(target.origin)
+        if pool is None:
+            if self.closed:  # a read still running when the storage was closed on this loop
+                raise Permanent("the storage's connections on this loop were closed while the read ran",
+                                remedy="not retried: read again (a new client is made)")
+            tls = None
+            if target.origin[0] == "https":
+                if self._tls is None:
+                    self._tls = h1.tls_context()
+                tls = self._tls
+            pool = self._pools[target.origin] = h1.Pool(target.origin, self.limit, tls)
+        return pool
+
+    def request(self, method: str, target: h1.Target, home: bool, extra: str) -> bytes:
+        """The request head: the storage's headers only for its own origin (``home``), each of
+        them replacing a default of the same name."""
+        names = self._names if home else ()
+        lines = [f"{method} {target.path} HTTP/1.1\r\n"]
+        if "host" not in names:
+            lines.append(f"Host: {target.host_header}\r\n")
+        if "user-agent" not in names:
+            lines.append(f"User-Agent: {USER_AGENT}\r\n")
+        if "accept" not in names:
+            lines.append("Accept: */*\r\n")
+        if target.userinfo is not None and "authorization" not in names:
+            token = base64.b64encode(":".join(target.userinfo).encode()).decode("ascii")
+            lines.append(f"Authorization: Basic {token}\r\n")
+        if home:
+            lines.append(self._own)
+        lines.append(extra)
+        lines.append("\r\n")
+        return "".join(lines).encode("latin-1")
+
+    def open_connections(self) -> int:
+        """Connections open now, in use or idle."""
+        return sum(pool.open_connections for pool in self._pools.values())
 
     async def close(self) -> None:
-        await self.session.close()
+        self.closed = True
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            await pool.close()
 
 
 async def client(owner, connections_per_host: int, headers: Mapping[str, str] | None) -> Client:
     """``owner``'s client on the running loop."""
     return await _scope.get(("http", owner), lambda: Client(connections_per_host, headers), Client.close)
+
+
+def existing(owner) -> Client | None:
+    """``owner``'s client on the running loop, if it has one already (no await: the common
+    case of every read but the first)."""
+    return _scope.peek(("http", owner))
 
 
 # -- redirects ---------------------------------------------------------------------------------
@@ -84,7 +147,7 @@ def origin(url: str) -> tuple[str, str, int | None]:
     scheme = parts.scheme.lower()
     try:
         port = parts.port
-    except ValueError:  # not a port number: aiohttp rejects the URL itself
+    except ValueError:  # not a port number: the request refuses the URL itself
         port = None
     return scheme, (parts.hostname or "").lower(), port or _DEFAULT_PORTS.get(scheme)
 
@@ -123,115 +186,205 @@ def _redirect_remedy(reason: str) -> str:
 
 
 # -- one attempt -------------------------------------------------------------------------------
-async def get(client: Client, url: str, timeout: float, offset: int | None = None,
-              length: int | None = None, *, max_bytes: int, decompress: bool, redirects: str) -> bytes:
-    """One attempt: the body (or ``length`` bytes from ``offset``), or Transient/Permanent."""
-    async with client.slot(url):
-        try:
-            async with asyncio.timeout(timeout):
-                return await _follow(client, url, offset, length, max_bytes, decompress, redirects)
-        except TimeoutError as exc:
-            raise Transient(f"no complete response within timeout={timeout:g} s") from exc
-        except aiohttp.ClientPayloadError as exc:
-            raise Transient(f"truncated body: {exc}") from exc
-        except aiohttp.ClientConnectionError as exc:
-            raise Transient(f"connection error: {type(exc).__name__}: {exc}") from exc
-        except aiohttp.ClientError as exc:
-            raise Permanent(f"{type(exc).__name__}: {exc}") from exc
+def get(client: Client, url: str, timeout: float, offset: int | None = None, length: int | None = None, *,
+        max_bytes: int, decompress: bool, redirects: str) -> Awaitable[bytes | bytearray]:
+    """One attempt: the body (or ``length`` bytes from ``offset``), or Transient/Permanent.
+    A body received in place comes back as the ``bytearray`` it was received into."""
+    return _attempt(client, url, timeout, "GET", redirects, _Read(offset, length, max_bytes, decompress))
 
 
-async def _follow(client: Client, url: str, offset, length, max_bytes: int, decompress: bool,
-                  redirects: str) -> bytes:
+def head(client: Client, url: str, timeout: float, *, redirects: str, first_byte: bool = False) -> Awaitable[h1.Head]:
+    """One attempt at the head of ``url``'s answer to ``HEAD`` (or, with ``first_byte``, to a
+    ``GET`` of its first byte, for servers that refuse ``HEAD``), redirects followed."""
+    return _attempt(client, url, timeout, "GET" if first_byte else "HEAD", redirects, _Heads(first_byte))
+
+
+async def _attempt(client: Client, url: str, timeout: float, method: str, redirects: str, answer):
+    try:
+        return await _follow(client, url, timeout, method, redirects, answer)
+    except TimeoutError as exc:
+        raise Transient(f"no complete response within timeout={timeout:g} s") from exc
+    except h1.Closed as exc:
+        raise Transient(f"connection error: {exc}") from exc
+    except ssl.SSLCertVerificationError as exc:
+        raise Permanent(f"TLS: {exc.verify_message or exc}",
+                        remedy="not retried: the server's certificate does not verify (SSL_CERT_FILE names "
+                               "the certificates to trust)") from exc
+    except OSError as exc:
+        raise Transient(f"connection error: {type(exc).__name__}: {exc}") from exc
+    except h1.ProtocolError as exc:
+        raise Permanent(f"invalid response: {exc}",
+                        remedy="not retried: the server does not answer in HTTP/1.1 as this client reads it") from exc
+
+
+async def _follow(client: Client, url: str, timeout: float, method: str, redirects: str, answer):
     first = current = url
     home = origin(url)
+    left = timeout
     for _ in range(MAX_REDIRECTS + 1):
-        headers = _request_headers(client, current, home, offset, length, decompress)
-        async with client.session.get(current, headers=headers, allow_redirects=False) as resp:
-            location = resp.headers.get("Location")
-            if resp.status not in _REDIRECT_STATUSES or location is None:
-                return await _body(resp, offset, length, max_bytes, decompress)
-            try:
-                target = str(resp.url.join(yarl.URL(location)))
-            except ValueError as exc:
-                raise Permanent(f"redirect to an invalid URL {location!r}: {exc}", resp.status) from exc
-            reason = redirect_refusal(current, target, first, redirects)
-            if reason is not None:
-                raise Permanent(reason, resp.status, remedy=_redirect_remedy(reason))
-            current = target
+        try:
+            target = client.target(current)
+        except ValueError as exc:
+            raise Permanent(f"invalid URL {current!r}: {exc}", remedy="not retried: fix the URL") from exc
+        pool = client.pool(target)
+        async with pool.slots:  # waiting for a connection: off the attempt's clock
+            began = time.monotonic()
+            location, result = await _hop(client, pool, target, method, target.origin == home, answer, left)
+            left -= time.monotonic() - began
+        if location is None:
+            return result
+        try:
+            nxt = urljoin(current, location)
+            reason = redirect_refusal(current, nxt, first, redirects)
+            if reason is None:
+                client.target(nxt)
+        except ValueError as exc:
+            raise Permanent(f"redirect to an invalid URL {location!r}: {exc}", result) from exc
+        if reason is not None:
+            raise Permanent(reason, result, remedy=_redirect_remedy(reason))
+        current = nxt
     raise Permanent(f"more than {MAX_REDIRECTS} redirects", remedy="not retried: the server redirects in a loop")
 
 
-def _request_headers(client: Client, url: str, home, offset, length, decompress: bool) -> dict[str, str]:
-    headers = dict(client.headers) if origin(url) == home else {}
-    if not any(name.lower() == "accept-encoding" for name in headers):
-        # A byte range of an encoded body is not the range asked for: ranges are asked unencoded.
-        encoded = decompress and offset is None
-        headers["Accept-Encoding"] = "gzip, deflate" if encoded else "identity"
-    if offset is not None:
-        headers["Range"] = f"bytes={offset}-{offset + length - 1}"
-    return headers
-
-
-async def _body(resp, offset: int | None, length: int | None, max_bytes: int, decompress: bool) -> bytes:
-    status = resp.status
-    if status == 416 and offset is not None:
-        return b""  # the range starts at or past the end, as a local read would return
-    if status in (408, 429) or status >= 500:
-        raise Transient(f"{status} {resp.reason}", status, parse_retry_after(resp.headers.get("Retry-After")))
-    if not 200 <= status < 300:
-        raise Permanent(f"{status} {resp.reason}", status, missing=status in (404, 410))
-    expected = _content_length(resp)
-    if expected is not None and expected > max_bytes and offset is None:
-        resp.close()
-        raise _too_large(f"the body of {expected} bytes (Content-Length) is larger than "
-                         f"max_bytes={max_bytes}", status)
-    encoding = resp.headers.get("Content-Encoding", "identity").strip().lower() or "identity"
-    decoder = _decoder(encoding, status) if decompress and status == 200 and encoding != "identity" else None
-    if offset is None:
-        keep = _Keep(0, None, max_bytes)
-    elif status == 206:
-        _check_content_range(resp, offset)
-        keep = _Keep(0, length, max_bytes)
-    else:  # the server ignored Range and sends the whole object: read only up to the end asked
-        keep = _Keep(offset, offset + length, max_bytes)
-    received = 0
+async def _hop(client: Client, pool: h1.Pool, target: h1.Target, method: str, home: bool, answer,
+               timeout: float):
+    """One request and its answer within ``timeout`` seconds: ``(None, result)``, or
+    ``(Location, status)`` for a redirect."""
+    began = time.monotonic()
+    request = client.request(method, target, home, answer.headers(client, home))
+    conn, reused = await pool.connection(timeout)
     try:
-        async for chunk in resp.content.iter_any():
-            received += len(chunk)
-            if decoder is not None and received > max_bytes:
-                raise _too_large(f"the body is larger than max_bytes={max_bytes} as sent", status)
-            for piece in decoder.feed(chunk) if decoder is not None else (chunk,):
-                keep.add(piece, status, decoded=decoder is not None)
-            if keep.full:
-                resp.close()  # the rest of the body is not needed: drop the connection
-                return keep.data()
-    except BaseException as exc:
-        resp.close()  # never read on: a half-read body would stall the next request
-        if isinstance(exc, aiohttp.ClientPayloadError):
-            raise Transient(f"truncated body: {exc}", status) from exc
+        conn.deadline(timeout - (time.monotonic() - began))
+        try:
+            resp = await conn.send(request, method)
+        except h1.Closed as exc:
+            if not reused or exc.started:
+                raise
+            pool.discard(conn)  # closed by the server while idle: once more, on a new connection
+            conn = await pool.open(timeout - (time.monotonic() - began))
+            conn.deadline(timeout - (time.monotonic() - began))
+            resp = await conn.send(request, method)
+        location = resp.headers.get("location")
+        if resp.status in _REDIRECT_STATUSES and location is not None:
+            pool.discard(conn)  # its body is of no use
+            return location, resp.status
+        result = await answer.take(conn, resp)
+    except BaseException:
+        pool.discard(conn)  # half-read, or in an unknown state: never reused
         raise
-    if expected is not None and received != expected:
-        raise Transient(f"truncated body: {received} of {expected} bytes (Content-Length)", status)
-    if decoder is not None and not decoder.done:
-        raise Transient(f"truncated body: the {encoding} stream ends early", status)
-    return keep.data()
+    if resp.keep_alive and answer.complete:
+        pool.release(conn)
+    else:
+        pool.discard(conn)
+    return None, result
 
 
-def _content_length(resp) -> int | None:
-    value = resp.headers.get("Content-Length")
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise Permanent(f"invalid Content-Length {value!r}", resp.status) from None
+def _status_error(resp: h1.Head) -> Exception | None:
+    status = resp.status
+    if status in (408, 429) or status >= 500:
+        return Transient(f"{status} {resp.reason}", status, parse_retry_after(resp.headers.get("retry-after")))
+    if not 200 <= status < 300:
+        return Permanent(f"{status} {resp.reason}", status, missing=status in (404, 410))
+    return None
 
 
-def _check_content_range(resp, offset: int) -> None:
-    value = resp.headers.get("Content-Range")
+class _Heads:
+    """What a HEAD (or first-byte GET) attempt keeps: the head."""
+
+    def __init__(self, first_byte: bool):
+        self.first_byte = first_byte
+        self.complete = False
+
+    def headers(self, client: Client, home: bool) -> str:
+        names = client._names if home else ()
+        extra = "" if "accept-encoding" in names else "Accept-Encoding: identity\r\n"
+        return extra + ("Range: bytes=0-0\r\n" if self.first_byte else "")
+
+    async def take(self, conn: h1.Connection, resp: h1.Head) -> h1.Head:
+        if resp.length == 0:
+            self.complete = True
+        elif self.first_byte and resp.status == 206 and resp.length is not None and resp.length <= 1:
+            await conn.read_exact(resp.length)
+            self.complete = True
+        return resp  # any other body is not read: the connection is closed instead
+
+
+class _Read:
+    """What a GET attempt keeps: the body, or ``length`` bytes of it from ``offset``."""
+
+    def __init__(self, offset: int | None, length: int | None, max_bytes: int, decompress: bool):
+        self.offset, self.length, self.max_bytes, self.decompress = offset, length, max_bytes, decompress
+        self.complete = False  # the body was read to its end (the connection may be reused)
+
+    def headers(self, client: Client, home: bool) -> str:
+        names = client._names if home else ()
+        extra = ""
+        if "accept-encoding" not in names:
+            # A byte range of an encoded body is not the range asked for: ranges are asked unencoded.
+            encoded = self.decompress and self.offset is None
+            extra = "Accept-Encoding: gzip, deflate\r\n" if encoded else "Accept-Encoding: identity\r\n"
+        if self.offset is not None:
+            extra += f"Range: bytes={self.offset}-{self.offset + self.length - 1}\r\n"
+        return extra
+
+    async def take(self, conn: h1.Connection, resp: h1.Head) -> bytes | bytearray:
+        status, offset, length, max_bytes = resp.status, self.offset, self.length, self.max_bytes
+        if status == 416 and offset is not None:
+            self.complete = resp.length == 0
+            return b""  # the range starts at or past the end, as a local read would return
+        error = _status_error(resp)
+        if error is not None:
+            self.complete = resp.length == 0
+            raise error
+        expected = resp.length
+        if expected is not None and expected > max_bytes and offset is None:
+            raise _too_large(f"the body of {expected} bytes (Content-Length) is larger than "
+                             f"max_bytes={max_bytes}", status)
+        if status == 206 and offset is not None:
+            _check_content_range(resp, offset)
+        encoding = (resp.headers.get("content-encoding") or "identity").strip().lower() or "identity"
+        decoder = _decoder(encoding, status) if self.decompress and status == 200 and encoding != "identity" else None
+        whole = offset is None or status == 206
+        if decoder is None and expected is not None and whole and (offset is None or expected <= length):
+            if expected > max_bytes:
+                raise _too_large(f"the body is larger than max_bytes={max_bytes}", status)
+            try:
+                data = await conn.read_exact(expected)
+            except h1.Closed as exc:
+                raise Transient(f"truncated body: {exc} (Content-Length)", status) from exc
+            self.complete = True
+            return data
+        if offset is None:
+            keep = _Keep(0, None, max_bytes)
+        elif status == 206:
+            keep = _Keep(0, length, max_bytes)
+        else:  # the server ignored Range and sends the whole object: read only up to the end asked
+            keep = _Keep(offset, offset + length, max_bytes)
+        return await self._pieces(h1.Body(conn, resp), keep, decoder, encoding, status)
+
+    async def _pieces(self, body: h1.Body, keep: _Keep, decoder, encoding: str, status: int) -> bytes:
+        received = 0
+        try:
+            while chunk := await body.read():
+                received += len(chunk)
+                if decoder is not None and received > self.max_bytes:
+                    raise _too_large(f"the body is larger than max_bytes={self.max_bytes} as sent", status)
+                for piece in decoder.feed(chunk) if decoder is not None else (chunk,):
+                    keep.add(piece, status, decoded=decoder is not None)
+                if keep.full:
+                    return keep.data()  # the rest of the body is not needed: the connection is dropped
+        except h1.Closed as exc:
+            raise Transient(f"truncated body: {exc}", status) from exc
+        self.complete = body.complete
+        if decoder is not None and not decoder.done:
+            raise Transient(f"truncated body: the {encoding} stream ends early", status)
+        return keep.data()
+
+
+def _check_content_range(resp: h1.Head, offset: int) -> None:
+    value = resp.headers.get("content-range")
     match = re.match(r"^\s*bytes\s+(\d+)-", value or "")
     if value is not None and (match is None or int(match.group(1)) != offset):
-        resp.close()
         raise Permanent(f"206 Partial Content with Content-Range {value!r} for bytes from {offset}", 206)
 
 

@@ -16,9 +16,11 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, TypeVar
 
 __all__ = ["RemoteReadError", "RetryPolicy"]
+
+T = TypeVar("T")  # what an attempt returns
 
 
 @dataclass(frozen=True)
@@ -137,8 +139,8 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-async def retrying(policy: RetryPolicy, url: str, attempt: Callable[[], Awaitable[bytes]],
-                   rng: random.Random, verb: str = "GET") -> bytes:
+async def retrying(policy: RetryPolicy, url: str, attempt: Callable[[], Awaitable[T]],
+                   rng: random.Random, verb: str = "GET") -> T:
     """``await attempt()`` until it succeeds, fails permanently or the attempts run out."""
     last: Transient | None = None
     for n in range(1, policy.attempts + 1):

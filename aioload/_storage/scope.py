@@ -77,6 +77,13 @@ async def get(key: Hashable, make: Callable[[], Any], close: Callable[[Any], Awa
     return entry[0]
 
 
+def peek(key: Hashable) -> Any:
+    """The resource stored under ``key`` on the running loop, or None when there is none yet."""
+    scope = _SCOPES.get(asyncio.get_running_loop())
+    entry = scope.items.get(key) if scope is not None else None
+    return entry[0] if entry is not None else None
+
+
 async def release(owner: Any) -> None:
     """Close now, on the running loop, the resources whose key names ``owner`` second
     (keys are ``(kind, owner, ...)``)."""

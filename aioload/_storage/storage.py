@@ -4,9 +4,9 @@ One entry point for every place data lives, chosen by the URL's scheme:
 
 * a local path (or ``file://`` URL): one call into a thread (``aiofiles``' executor wrapper),
   open, read and close together, one hand-off instead of three;
-* ``http://`` and ``https://``: aiohttp, one pooled keep-alive session per event loop (see
-  ``_http``), retried per :class:`RetryPolicy`, bounded by ``max_bytes``, redirects followed
-  within the URL's origin;
+* ``http://`` and ``https://``: aioload's own HTTP/1.1 client (``_http`` over ``h1``), one
+  keep-alive pool per event loop and origin, retried per :class:`RetryPolicy`, bounded by
+  ``max_bytes``, redirects followed within the URL's origin;
 * any other ``scheme://`` (``s3://``, ``gs://``, ``memory://``, ...): fsspec, when it and the
   backend are installed (see ``_fsspec``), retried the same way.
 
@@ -128,6 +128,8 @@ class Storage:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         if not isinstance(decompress, bool):
             raise TypeError(f"decompress must be True or False, got {decompress!r}")
+        if headers is not None:
+            _http.check_headers(headers)
         if redirects not in _http.REDIRECTS:
             raise ValueError(f"redirects must be 'same-origin', 'any' or 'none', got {redirects!r}")
         self.retry = retry if retry is not None else RetryPolicy()
@@ -143,14 +145,14 @@ class Storage:
     # -- reads -----------------------------------------------------------------------------
     async def read_bytes(self, target: str | os.PathLike) -> bytes:
         """The whole content of a local path or URL."""
-        return await self._read(os.fspath(target), None, None)
+        return _frozen(await self._read(os.fspath(target), None, None))
 
     async def read_range(self, target: str | os.PathLike, offset: int, length: int) -> bytes:
         """``length`` bytes from ``offset`` (fewer at the end of the object)."""
         _check_range(offset, length)
         if length == 0:
             return b""
-        return await self._read(os.fspath(target), offset, length)
+        return _frozen(await self._read(os.fspath(target), offset, length))
 
     def read_bytes_blocking(self, target: str | os.PathLike) -> bytes:
         """:meth:`read_bytes` for synchronous code (``__getitem__``, torch's DataLoader)."""
@@ -164,12 +166,12 @@ class Storage:
         if kind == "local":
             data = _read_local(where)
         else:
-            data = _scope.run_blocking(lambda: self._fetch(kind, where, None, None))
+            data = _frozen(_scope.run_blocking(lambda: self._fetch(kind, where, None, None)))
         if cache is not None:
             cache.put(target, data)
         return data
 
-    async def _read(self, target, offset: int | None, length: int | None) -> bytes:
+    async def _read(self, target, offset: int | None, length: int | None) -> bytes | bytearray:
         kind, where = locate(target)
         cache = self._cache_for(kind)
         key = target if offset is None else range_key(target, offset, length)
@@ -179,15 +181,16 @@ class Storage:
                 return data
         data = await self._fetch(kind, where, offset, length)
         if cache is not None:
+            data = _frozen(data)  # a cached object is shared: never a buffer that can change
             await _cache_call(cache, cache.put, key, data)
         return data
 
-    async def _fetch(self, kind: str, where, offset: int | None, length: int | None) -> bytes:
+    async def _fetch(self, kind: str, where, offset: int | None, length: int | None) -> bytes | bytearray:
         if kind == "local":
             return await _read_local_async(where, offset or 0, length)
         policy = self.retry
         if kind == "http":
-            client = await _http.client(self, self.connections_per_host, self.headers)
+            client = _http.existing(self) or await _http.client(self, self.connections_per_host, self.headers)
             attempt = lambda: _http.get(client, where, policy.timeout, offset, length,  # noqa: E731
                                         max_bytes=self.max_bytes, decompress=self.decompress,
                                         redirects=self.redirects)
@@ -219,6 +222,26 @@ class Storage:
         return (f"Storage(retry={self.retry!r}, cache={self.cache!r}, "
                 f"connections_per_host={self.connections_per_host}, max_bytes={self.max_bytes}, "
                 f"decompress={self.decompress}, redirects={self.redirects!r})")
+
+
+def _frozen(data: bytes | bytearray) -> bytes:
+    """``bytes`` of what a transport returned (an HTTP body comes as the bytearray it was
+    received into)."""
+    return bytes(data) if type(data) is not bytes else data
+
+
+async def read_buffer(storage: Storage, target: str | os.PathLike, offset: int | None = None,
+                      length: int | None = None) -> bytes | bytearray:
+    """:meth:`Storage.read_bytes` (or, given ``offset`` and ``length``, :meth:`Storage.read_range`)
+    without its last copy: an HTTP body comes back as the ``bytearray`` it was received into.
+    For callers that take the bytes apart themselves (a shard's members, a whole shard); the
+    caller owns the buffer and must not hand it on where ``bytes`` are promised."""
+    if offset is None:
+        return await storage._read(os.fspath(target), None, None)
+    _check_range(offset, length)
+    if length == 0:
+        return b""
+    return await storage._read(os.fspath(target), offset, length)
 
 
 async def _cache_call(cache, method, *args):

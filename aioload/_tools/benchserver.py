@@ -1,13 +1,16 @@
 """The bench's HTTP server: files under ROOT on 127.0.0.1, each GET answered after a round trip.
 
-Run as a script (``python _benchserver.py ROOT --latency-ms 20``), in its own process, so that
-its threads share no GIL with the loaders being measured; it imports only the standard
-library. Each connection has its own thread and each request sleeps the round trip before it
-is answered, so concurrent requests overlap as they do against a remote store. Only the files
-found under ROOT at start are served (no path outside it can be asked for, and a symlink under
-ROOT that leads outside it is not served). The process exits on SIGTERM or Ctrl-C, when its
-parent process dies (even by SIGKILL; whichever of its threads started the server), and after
-``--max-seconds``.
+Run as a script (``python benchserver.py ROOT --latency-ms 20``), in its own process, so that
+it shares no GIL with the loaders being measured; it imports only the standard library (and
+uvloop where installed). One asyncio loop serves every connection: each request is answered
+a round trip after it arrived (a timer, not a sleeping thread), so concurrent requests
+overlap as they do against a remote store, while the server spends little of the CPUs the
+loaders share with it (a thread per connection, as ``http.server`` runs them, took about
+0.12 CPUs of this 2-CPU machine). Bodies are read from the file as they are sent, never
+faster than the client takes them. Only the files found under ROOT at start are served (no
+path outside it can be asked for, and a symlink under ROOT that leads outside it is not
+served). The process exits on SIGTERM or Ctrl-C, when its parent process dies (even by
+SIGKILL; whichever of its threads started the server), and after ``--max-seconds``.
 
 ``Range: bytes=a-b`` is answered ``206`` with that part (as object stores do), ``HEAD`` with
 the headers alone; ``--mb-per-s`` paces each response's body to that rate (a store's
@@ -18,14 +21,14 @@ per-connection bandwidth; 0, the default: as fast as the socket takes it). ``GET
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import re
 import select
 import signal
-import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http import HTTPStatus
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -55,6 +58,13 @@ def die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+_RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
+_PIECE = 1 << 18  # bytes read from a file and written at once (unpaced)
+_PACE_CHUNK = 1 << 16  # bytes written at once when paced
+_HEAD_LIMIT = 1 << 16
+COUNT_PATH = "__requests__"
+
+
 def served_files(root: Path) -> dict[str, Path]:
     """The regular files under ``root``, by their path relative to it, each resolved: a symlink
     whose target lies outside ``root`` (or is not a file) is not served."""
@@ -70,127 +80,179 @@ def served_files(root: Path) -> dict[str, Path]:
     return files
 
 
-_RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
-_PACE_CHUNK = 1 << 16
-COUNT_PATH = "__requests__"
+class _Files:
+    """What is served: the regular files under the root at start, by their relative path;
+    ``count`` is the number of requests for files so far (GET and HEAD)."""
+
+    def __init__(self, root: str, latency_s: float, bytes_per_s: float):
+        base = Path(root)
+        self.files = served_files(base)
+        self.latency_s = latency_s
+        self.bytes_per_s = bytes_per_s
+        self.count = 0
 
 
-class _Count:
-    def __init__(self):
-        self.value = 0
-        self.lock = threading.Lock()
+class _Connection(asyncio.Protocol):
+    """One client connection: each request is answered ``latency_s`` after it arrived, one at
+    a time and in order; the body is read from the file piece by piece (paced when asked),
+    never faster than the client takes it."""
 
-    def add(self) -> None:
-        with self.lock:
-            self.value += 1
+    def __init__(self, served: _Files):
+        self.served = served
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.busy = False  # a request is being answered
+        self.writable = asyncio.Event()
+        self.writable.set()
 
+    def connection_made(self, transport) -> None:
+        self.transport = transport
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: a client may reuse its connections
-    files: dict[str, Path] = {}
-    latency_s = 0.0
-    bytes_per_s = 0.0  # 0: unpaced
-    count = _Count()
-
-    def do_GET(self) -> None:  # noqa: N802 - the standard library's name
-        if urlsplit(self.path).path == "/" + COUNT_PATH:
-            data = str(self.count.value).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if len(self.buf) > _HEAD_LIMIT and b"\r\n\r\n" not in self.buf:
+            self.transport.close()
             return
-        self._answer(body=True)
+        self._next()
 
-    def do_HEAD(self) -> None:  # noqa: N802
-        self._answer(body=False)
+    def connection_lost(self, exc) -> None:
+        self.transport = None
+        self.writable.set()  # a body being sent stops at its next piece
 
-    def _answer(self, body: bool) -> None:
-        self.count.add()
-        path = self.files.get(unquote(urlsplit(self.path).path).lstrip("/"))
-        time.sleep(self.latency_s)
-        if path is None:
-            self.send_error(404)
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
+    def _next(self) -> None:
+        if self.busy or self.transport is None:
             return
-        try:  # the resolved file itself, never a symlink put in its place since
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except OSError:
-            self.send_error(404)
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
             return
-        with open(fd, "rb") as f:
-            self._answer_from(f, body)
+        head, self.buf = self.buf[:end].decode("latin-1"), self.buf[end + 4:]
+        self.busy = True
+        self.loop.create_task(self._answer(head, self.loop.time()))
 
-    def _answer_from(self, f, body: bool) -> None:
-        size = os.fstat(f.fileno()).st_size
+    async def _answer(self, head: str, arrived: float) -> None:
+        try:
+            keep = await self._respond(head, arrived)
+        except (ConnectionError, OSError):
+            keep = False
+        if self.transport is None:
+            return
+        if not keep:
+            self.transport.close()
+            return
+        self.busy = False
+        self._next()
+
+    async def _respond(self, head: str, arrived: float) -> bool:
+        lines = head.split("\r\n")
+        parts = lines[0].split(" ")
+        fields = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            fields[name.strip().lower()] = value.strip()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            self._send(400, {"Content-Length": "0", "Connection": "close"})
+            return False
+        method, target, version = parts
+        keep = "close" not in fields.get("connection", "").lower() and version == "HTTP/1.1"
+        path = unquote(urlsplit(target).path).lstrip("/")
+        if method == "GET" and path == COUNT_PATH:
+            data = str(self.served.count).encode()
+            self._send(200, {"Content-Length": str(len(data))}, data)
+            return keep
+        if method not in ("GET", "HEAD"):
+            self._send(501, {"Content-Length": "0", "Connection": "close"})
+            return False
+        self.served.count += 1
+        delay = arrived + self.served.latency_s - self.loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        file = self.served.files.get(path)
+        if file is None:
+            self._send(404, {"Content-Length": "0"})
+            return keep
+        st = file.stat()
+        size = st.st_size
         start, end, status = 0, size, 200
-        asked = self.headers.get("Range")
-        match = _RANGE.match(asked.strip()) if asked else None
+        asked = fields.get("range")
+        match = _RANGE.match(asked) if asked else None
         if match is not None:
             start = int(match.group(1))
             end = min(size, int(match.group(2)) + 1) if match.group(2) else size
             if start >= size:
-                self.send_response(416)
-                self.send_header("Content-Range", f"bytes */{size}")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
+                self._send(416, {"Content-Range": f"bytes */{size}", "Content-Length": "0"})
+                return keep
             status = 206
-        self.send_response(status)
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(end - start))
-        self.send_header("Accept-Ranges", "bytes")
-        self.send_header("ETag", f'"{os.fstat(f.fileno()).st_mtime_ns:x}-{size:x}"')
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(end - start),
+                   "Accept-Ranges": "bytes", "ETag": f'"{st.st_mtime_ns:x}-{size:x}"'}
         if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
-        self.end_headers()
-        if body:
-            f.seek(start)
-            self._send(f.read(end - start))
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        self._send(status, headers)
+        if method == "GET":
+            await self._body(file, start, end)
+        return keep
 
-    def _send(self, data: bytes) -> None:
-        if not self.bytes_per_s:
-            self.wfile.write(data)
-            return
-        began = time.perf_counter()
-        view = memoryview(data)
-        for pos in range(0, len(view), _PACE_CHUNK):
-            self.wfile.write(view[pos:pos + _PACE_CHUNK])
-            due = began + (pos + _PACE_CHUNK) / self.bytes_per_s
-            delay = due - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
+    def _send(self, status: int, headers: dict, body: bytes = b"") -> None:
+        reason = HTTPStatus(status).phrase
+        lines = [f"HTTP/1.1 {status} {reason}", *(f"{k}: {v}" for k, v in headers.items()), "", ""]
+        self.transport.write("\r\n".join(lines).encode("latin-1") + body)
 
-    def log_message(self, format, *args) -> None:  # noqa: A002 - quiet: no line per request
-        pass
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True  # connection threads end with the process
-    request_queue_size = 1024  # the listen backlog: a loader may open many connections at once
-
-    def handle_error(self, request, client_address) -> None:
-        if isinstance(sys.exc_info()[1], ConnectionError):
-            return  # a client that went away (a loader closed early): nothing to report
-        super().handle_error(request, client_address)
+    async def _body(self, file: Path, start: int, end: int) -> None:
+        rate = self.served.bytes_per_s
+        piece = _PACE_CHUNK if rate else _PIECE
+        began = self.loop.time()
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # never a symlink put in its place
+        try:
+            pos = start
+            while pos < end:
+                await self.writable.wait()
+                if self.transport is None:
+                    return
+                data = os.pread(fd, min(piece, end - pos), pos)
+                if not data:  # the file shrank since it was listed
+                    self.transport.close()
+                    return
+                self.transport.write(data)
+                pos += len(data)
+                if rate:
+                    delay = began + (pos - start) / rate - self.loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+        finally:
+            os.close(fd)
 
 
 def serve(root: str, latency_ms: float, max_seconds: float, parent: int, mb_per_s: float = 0.0) -> None:
     die_with_parent(parent)
-    files = served_files(Path(root))
-    handler = type("Handler", (_Handler,), {"files": files, "latency_s": latency_ms / 1000.0,
-                                            "bytes_per_s": mb_per_s * 1e6, "count": _Count()})
-    server = _Server(("127.0.0.1", 0), handler)
-    print(f"port {server.server_address[1]}", flush=True)
-    timer = threading.Timer(max_seconds, server.shutdown)
-    timer.daemon = True
-    timer.start()
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    run = asyncio.run
     try:
-        server.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
+        import uvloop  # not needed: a faster loop where it is installed
+
+        run = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
         pass
+    run(_serve(root, latency_ms / 1000.0, max_seconds, mb_per_s * 1e6))
+
+
+async def _serve(root: str, latency_s: float, max_seconds: float, bytes_per_s: float) -> None:
+    served = _Files(root, latency_s, bytes_per_s)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Connection(served), "127.0.0.1", 0, backlog=1024)
+    print(f"port {server.sockets[0].getsockname()[1]}", flush=True)
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.call_later(max_seconds, stop.set)
+    try:
+        await stop.wait()
     finally:
-        server.server_close()
+        server.close()
 
 
 def main(argv: list[str] | None = None) -> None:

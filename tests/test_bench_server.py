@@ -1,0 +1,81 @@
+"""The bench's HTTP server (``aioload/_tools/benchserver.py``) as its clients use it: torch's
+recipe (``urllib``, a connection per request), ``http.client`` on one keep-alive connection,
+and aioload's storage; GET, HEAD, ranges, missing files, the request counter, a client that
+leaves mid-body."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+
+import aioload
+from aioload._tools.benchhttp import Server
+
+DATA = bytes(range(256)) * 4096  # 1 MiB
+
+
+@pytest.fixture
+def served(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.bin").write_bytes(DATA)
+    (tmp_path / "b.txt").write_bytes(b"hello")
+    with Server(tmp_path, latency_ms=2, mb_per_s=500) as server:
+        yield server
+
+
+def test_gets_ranges_and_heads_over_one_keep_alive_connection(served):
+    host, port = served.base.split("/")[2].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        answers = []
+        for method, headers in [("GET", {}), ("GET", {"Range": "bytes=10-19"}), ("GET", {"Range": "bytes=1048500-"}),
+                                ("HEAD", {}), ("GET", {"Range": "bytes=2000000-"})]:
+            conn.request(method, "/sub/a.bin", headers=headers)
+            resp = conn.getresponse()
+            answers.append((resp.status, resp.getheader("Content-Range"), resp.getheader("Content-Length"), resp.read()))
+        sock = conn.sock
+        conn.request("GET", "/nope")
+        missing = conn.getresponse()
+        missing.read()
+        assert conn.sock is sock  # every answer on the one connection
+    finally:
+        conn.close()
+    assert answers[0] == (200, None, str(len(DATA)), DATA)
+    assert answers[1] == (206, f"bytes 10-19/{len(DATA)}", "10", DATA[10:20])
+    assert answers[2] == (206, f"bytes 1048500-{len(DATA) - 1}/{len(DATA)}", "76", DATA[1048500:])
+    assert answers[3] == (200, None, str(len(DATA)), b"")
+    assert answers[4] == (416, f"bytes */{len(DATA)}", "0", b"")
+    assert missing.status == 404
+    assert served.requests() == 6
+
+
+def test_torch_recipe_and_aioload_storage_read_the_same_bytes(served):
+    with urllib.request.urlopen(served.base + "b.txt", timeout=30) as resp:  # Connection: close
+        assert resp.read() == b"hello"
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(served.base + "../b.txt", timeout=30)
+    assert info.value.code == 404
+
+    async def main():
+        storage = aioload.Storage(retry=aioload.RetryPolicy(attempts=1))
+        parts = await asyncio.gather(*(storage.read_range(served.base + "sub/a.bin", i * 4096, 4096)
+                                       for i in range(256)))
+        return b"".join(parts), await storage.read_bytes(served.base + "sub/a.bin")
+
+    joined, whole = asyncio.run(main())
+    assert joined == DATA and whole == DATA
+
+
+def test_a_client_that_leaves_mid_body_leaves_the_server_serving(served):
+    host, port = served.base.split("/")[2].split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"GET /sub/a.bin HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(100).startswith(b"HTTP/1.1 200 OK\r\n")
+    with urllib.request.urlopen(served.base + "sub/a.bin", timeout=30) as resp:
+        assert resp.read() == DATA
