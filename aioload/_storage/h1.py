@@ -53,7 +53,7 @@ class Closed(ConnectionError):
     """The connection ended before the response did. ``started``: whether any byte of the
     response had arrived (a reused connection closed before that is asked again, fresh)."""
 
-    def __init__(self, message: str, started: bool):
+    def __init__(self, message: str, started: bool = False):
         super().__init__(message)
         self.started = started
 
