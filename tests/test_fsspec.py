@@ -21,9 +21,26 @@ from aioload._storage import scope as _scope
 from tests.reference import pil_image
 
 
-def open_sessions() -> list:
+def _sessions() -> list:
     gc.collect()
     return [o for o in gc.get_objects() if type(o) is aiohttp.ClientSession and not o.closed]
+
+
+_before: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def sessions_before():
+    """The sessions open before the test (other tests' own ``fsspec.filesystem`` instances stay
+    in fsspec's instance cache until exit): only those the test opened count as left open."""
+    _before.clear()
+    _before.update(id(o) for o in _sessions())
+    yield
+
+
+def open_sessions() -> list:
+    """The aiohttp sessions opened since the test began and still open."""
+    return [o for o in _sessions() if id(o) not in _before]
 
 
 def local_files(root) -> list[str]:
