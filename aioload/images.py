@@ -292,7 +292,7 @@ class ImageFolder(_Images):
             samples = make_dataset(where, self.class_to_idx, extensions, is_valid_file, allow_empty)
         elif kind == "fsspec":
             options = storage.storage_options if storage is not None else {}
-            self.classes, self.class_to_idx, samples = _listed_folder(self.root, options, extensions,
+            self.classes, self.class_to_idx, samples = listed_folder(self.root, options, extensions,
                                                                       is_valid_file, allow_empty)
         else:
             raise ValueError(f"ImageFolder needs a root it can list, got {self.root!r}: HTTP servers "
@@ -316,7 +316,7 @@ class ImageFolder(_Images):
         return f"ImageFolder(root={self.root!r}, samples={len(self)}, classes={len(self.classes)})"
 
 
-def _listed_folder(root: str, options, extensions, is_valid_file, allow_empty):
+def listed_folder(root: str, options, extensions, is_valid_file, allow_empty):
     """torchvision's ``find_classes`` + ``make_dataset`` over an fsspec listing: same classes,
     same order (directories sorted, then file names within each), same errors."""
     if (extensions is None) == (is_valid_file is None):

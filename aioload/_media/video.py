@@ -265,7 +265,7 @@ def _checked_metadata(metadata, videos: int) -> np.ndarray:
     return info
 
 
-def _labels(labels, count: int) -> np.ndarray | None:
+def labels_of(labels, count: int) -> np.ndarray | None:
     if labels is None:
         return None
     targets = np.asarray(labels)
@@ -312,7 +312,7 @@ class VideoFiles(_Videos):
             raise TypeError("paths_or_urls must be a sequence of paths or URLs, not a single one: "
                             "wrap it in a list, or use aioload.VideoFolder for a folder")
         locations = [os.fspath(p) for p in paths_or_urls]
-        self._setup(locations, _labels(labels, len(locations)), frames_per_clip, clips, clips_per_video, frame_step,
+        self._setup(locations, labels_of(labels, len(locations)), frames_per_clip, clips, clips_per_video, frame_step,
                     frame_rate, step_between_clips, transform, target_transform, storage, seek_mode, metadata,
                     whole_file_bytes)
 
@@ -344,7 +344,7 @@ class VideoFolder(_Videos):
                  metadata: Sequence[tuple[int, float]] | None = None, whole_file_bytes: int = WHOLE_FILE_BYTES):
         from torchvision.datasets.folder import find_classes, make_dataset
 
-        from aioload.images import _listed_folder
+        from aioload.images import listed_folder
 
         self.root = os.fspath(root)
         if is_valid_file is not None:
@@ -355,7 +355,7 @@ class VideoFolder(_Videos):
             samples = make_dataset(where, self.class_to_idx, extensions, is_valid_file, allow_empty)
         elif kind == "fsspec":
             options = storage.storage_options if storage is not None else {}
-            self.classes, self.class_to_idx, samples = _listed_folder(self.root, options, extensions,
+            self.classes, self.class_to_idx, samples = listed_folder(self.root, options, extensions,
                                                                       is_valid_file, allow_empty)
         else:
             raise ValueError(f"VideoFolder needs a root it can list, got {self.root!r}: HTTP servers cannot list "
