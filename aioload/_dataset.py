@@ -84,3 +84,13 @@ def is_split(dataset) -> bool:
     if read is None or decode is None:
         return False
     return read is not Dataset.read and decode is not Dataset.decode and asyncio.iscoroutinefunction(read)
+
+
+def fetches_batches(dataset) -> bool:
+    """Whether ``dataset`` fetches a batch in one ``__getitems__`` call, as torch's fetcher
+    then calls it (a ``Subset`` merely forwards to the dataset it wraps)."""
+    if getattr(dataset, "__getitems__", None) is None:
+        return False
+    if isinstance(dataset, torch.utils.data.Subset):
+        return fetches_batches(dataset.dataset)
+    return True

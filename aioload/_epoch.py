@@ -5,8 +5,8 @@ epoch starts, and :class:`EpochIterator`, the base of both epoch iterators (torc
 The base holds what every epoch shares: ``__iter__``/``__aiter__``/``__len__``, the lazy start
 at the first ``next()``, the end of the epoch (exhausted, closed, superseded by a newer one),
 and the statistics of each delivered batch. A subclass only says how the next batch is
-obtained: :class:`aioload._iterator._Iterator` takes it from the engine's ready queue,
-:class:`aioload._inprocess._InProcessIterator` loads it in the caller's thread.
+obtained: :class:`aioload._iterator.EngineIterator` takes it from the engine's ready queue,
+:class:`aioload._inprocess.InProcessIterator` loads it in the caller's thread.
 
 The iterator knows its loader only as an :class:`EpochSource` (``len()`` and the two calls
 that start an epoch); everything else it needs arrives in the context.
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from aioload._engine.engine import Engine
     from aioload._observe.monitor import Monitor
     from aioload._engine.ready import ReadyQueue
-    from aioload._resources import _Resources
+    from aioload._resources import Resources
     from aioload._sampling import EpochProgress
     from aioload._engine.spec import Plan
     from aioload._observe.stats import StatsRecorder
@@ -67,7 +67,7 @@ class EpochContext:
     num_workers: int
     persistent: bool
     # Fed by the engine (None in-process):
-    resources: _Resources | None = None
+    resources: Resources | None = None
     engine: Engine | None = None
     ready: ReadyQueue | None = None
     transfer: Any = None

@@ -13,7 +13,7 @@ import anyio
 import torch
 
 from aioload._handoff import device as _device
-from aioload._engine.budget import SKIPPED, run_in_process
+from aioload._engine.budget import SKIPPED, AllSkipped, run_in_process
 from aioload._compat import LOADING, WAITING_ASYNC, profiled
 from aioload._epoch import EpochContext, EpochIterator, EpochSource
 from aioload._seeding import sample_seed, seed_everything
@@ -30,11 +30,7 @@ except ImportError:  # pragma: no cover
 _END = object()
 
 
-class _AllSkipped(Exception):
-    """Every sample of a batch was skipped (``on_error="skip"``): the batch is not delivered."""
-
-
-class _InProcessIterator(EpochIterator):
+class InProcessIterator(EpochIterator):
     """``num_workers=0`` with a plain dataset: torch's single-process loading, in the caller's
     thread (no engine, no event loop). A failing ``__getitem__`` raises in ``next()`` and the
     epoch goes on, as torch's does."""
@@ -67,7 +63,7 @@ class _InProcessIterator(EpochIterator):
             ctx.plan.delivered.add(seq)
             try:
                 return _fetch_map(ctx, indices)
-            except _AllSkipped:
+            except AllSkipped:
                 continue
 
     def _next(self, ctx: EpochContext):
@@ -119,7 +115,7 @@ def _fetch_map(ctx: EpochContext, indices):
     return _collate_in_process(ctx, samples)
 
 
-def _decode_in_process(ctx: EpochContext, item: Ready):
+def decode_in_process(ctx: EpochContext, item: Ready):
     """``num_workers=0`` with a split dataset: reads ran ahead on the engine, decode runs here."""
     ds = ctx.dataset
     describe = getattr(ds, "describe", None)
@@ -139,14 +135,14 @@ def _collate_in_process(ctx: EpochContext, samples: list):
     """Collate ``(index, sample)`` pairs in this process, with the same error handling as the
     workers: a failure names the batch's indices and is raised or skipped."""
     if not samples:
-        raise _AllSkipped
+        raise AllSkipped
     budget: ErrorBudget = ctx.budget
     indices = [index for index, _ in samples]
     values = [sample for _, sample in samples]
     batch = run_in_process(budget, None, "collate_fn", indices, ctx.collate_fn,
                            values if ctx.auto_collation else values[0])
     if batch is SKIPPED:
-        raise _AllSkipped
+        raise AllSkipped
     return batch
 
 

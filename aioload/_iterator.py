@@ -15,9 +15,10 @@ from aioload._compat import WAITING_ASYNC, profiled
 from aioload._epoch import EpochContext, EpochIterator, EpochSource
 from aioload._errors import DataLoaderTimeoutError
 from aioload._engine.gpudecode import DecodeTransfer
-from aioload._inprocess import _AllSkipped, _decode_in_process
+from aioload._engine.budget import AllSkipped
+from aioload._inprocess import decode_in_process
 from aioload._engine.ready import EndOfEpoch
-from aioload._engine.spec import Failure, Ready, _Cancelled
+from aioload._engine.spec import Cancelled, Failure, Ready
 
 if TYPE_CHECKING:
     from aioload._engine.engine import Engine
@@ -30,7 +31,7 @@ class _NotYet(Exception):
     """Nothing is ready yet (the async consumer then waits for a wake-up)."""
 
 
-class _Iterator(EpochIterator):
+class EngineIterator(EpochIterator):
     """An epoch fed by the engine: finished batches from its ready queue."""
 
     def _open(self, source: EpochSource) -> EpochContext:
@@ -57,7 +58,7 @@ class _Iterator(EpochIterator):
             raise StopIteration from None
         except TimeoutError:
             raise _timed_out(ctx.engine, ctx.timeout) from None
-        except _Cancelled:
+        except Cancelled:
             raise self._stopped_error(ctx) from None
         except BaseException:
             self._end()
@@ -70,7 +71,7 @@ class _Iterator(EpochIterator):
         if isinstance(item, Failure):
             raise item.exc
         if item.raw is not None:
-            batch = _decode_in_process(ctx, item)
+            batch = decode_in_process(ctx, item)
             if isinstance(ctx.transfer, DecodeTransfer):  # encoded images, decoded here
                 batch = ctx.transfer.finish(batch)
         else:
@@ -93,7 +94,7 @@ class _Iterator(EpochIterator):
             item, waited = self._take(ctx)
             try:
                 return self._finish(ctx, item, waited)
-            except _AllSkipped:
+            except AllSkipped:
                 continue
 
     def _ready_now(self):
@@ -143,7 +144,7 @@ class _Iterator(EpochIterator):
                 if isinstance(item, Ready) and item.raw is not None:
                     return await anyio.to_thread.run_sync(self._finish, ctx, item, waited)
                 return self._finish(ctx, item, waited)
-            except _AllSkipped:
+            except AllSkipped:
                 continue
 
 

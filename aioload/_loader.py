@@ -26,26 +26,27 @@ from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 from torch.utils.data._utils.collate import default_collate
 
 from aioload._handoff import device as _device
-from aioload._engine.budget import budget_for, check_max_errors, epoch_samples, logger
+from aioload._engine.budget import ErrorBudget, check_max_errors, epoch_samples, logger
 from aioload._compat import len_called, warn_as_torch_iterator
-from aioload._dataset import is_split
+from aioload._dataset import fetches_batches, is_split
 from aioload._engine.engine import Engine
 from aioload._epoch import EpochContext
 from aioload._engine import executor as _executor
 from aioload._errors import LoaderClosedError
 from aioload._engine import gpudecode as _gpudecode
-from aioload._inprocess import _InProcessIterator
-from aioload._iterator import _Iterator
+from aioload._inprocess import InProcessIterator
+from aioload._iterator import EngineIterator
 from aioload._observe.monitor import Monitor, check_options
-from aioload._workers.pool import WorkerPool, batches_in_flight, choose_context
+from aioload._workers.pool import WorkerPool, choose_context
 from aioload._engine.ready import ReadyQueue
-from aioload._resources import _LIVE, _Resources, _finalize_loader
+from aioload._resources import LIVE, Resources, finalize_loader, watch_exit
 from aioload._sampling import EpochProgress, Planner, shard_sampler
 from aioload._seeding import derive_seed
-from aioload._engine.spec import Plan, Spec
+from aioload._engine.spec import BatchBound, Mode, Plan, Reads, Shared, Spec
 from aioload._observe.stats import LoaderStats, StatsRecorder, dataset_figures
 from aioload._observe.tune import check_knob, is_auto, make_tuner
-from aioload._workers.worker import WorkerConfig, _batched_fetch
+from aioload._reads import MAX_IO, START_IO
+from aioload._workers.worker import WorkerConfig
 
 # torch's class, taken at import: a program may then put aioload's in its place
 # (``torch.utils.data.DataLoader = aioload.DataLoader``) for code it does not own.
@@ -56,12 +57,14 @@ _FROZEN = frozenset({"batch_size", "batch_sampler", "sampler", "drop_last", "dat
 
 
 class _PoolSettings(NamedTuple):
-    """The assignable attributes a worker pool is started with."""
+    """The assignable attributes a worker pool is started with, and where its samples are
+    read (decided from them and the dataset, once per pool: see ``DataLoader._settings``)."""
 
     num_workers: int
     collate_fn: Any
     worker_init_fn: Any
     multiprocessing_context: Any
+    read_in_workers: bool = False
 
 
 def _torch_attribute(name: str) -> property:
@@ -139,7 +142,7 @@ class DataLoader(Generic[_T_co]):
                  drop_last: bool = False, timeout: float = 0, worker_init_fn=None,
                  multiprocessing_context=None, generator=None, *, prefetch_factor: int | None = None,
                  persistent_workers: bool = False, pin_memory_device: str = "", in_order: bool = True,
-                 io_concurrency: int | str = 64, queue_depth: int | str | None = None, device=None,
+                 io_concurrency: int | str = "auto", queue_depth: int | str | None = None, device=None,
                  seed: int | None = None, on_error: str = "raise", max_errors: int | float | None = None,
                  read_timeout: float | None = None,
                  log_every: float | None = None, progress: bool = False, shard: bool = True,
@@ -214,12 +217,14 @@ class DataLoader(Generic[_T_co]):
         self._running: weakref.ref[EpochContext] | None = None
         self._stats = StatsRecorder()
         self._dataset_base = dataset_figures(dataset)  # a dataset's own counters count from here
+        first = BatchBound(max(1, num_workers), prefetch_factor or 2, self._torch.batch_size or 1, whole=False,
+                           reads=is_split(dataset))  # until the first epoch's spec gives the bound
         self._tuner = make_tuner(io_concurrency, self.queue_depth, self._torch.batch_size, num_workers,
-                                 default_depth, reads=is_split(dataset))
+                                 first.batches, default_depth)
         self._monitor = None
         if log_every is not None or progress:
             self._monitor = Monitor(_weak_stats(self), log_every, progress)
-        self._res = _Resources()
+        self._res = Resources(Shared())
         res = self._res  # the verdict reads the workers' CPU counters (a closure over res, not self)
         self._stats.worker_pids = lambda: [p.pid for p in res.pool.procs] if res.pool is not None else []
         if self._decode_on is not None:
@@ -230,6 +235,9 @@ class DataLoader(Generic[_T_co]):
         self._iterated = False  # torch warns about pinning and worker counts per iterator it makes
         self._split = is_split(dataset)
         self._iterable = isinstance(dataset, IterableDataset)
+        # one __getitems__ call per batch, as torch makes it (not with seed=: each sample is
+        # seeded alone), decided once: the dataset and the seed cannot change
+        self._batched_fetch = not self._split and seed is None and fetches_batches(dataset)
         self.executor = executor
         self.read_on_executor = read_on_executor
         if read_in_workers is not None and not isinstance(read_in_workers, bool):
@@ -238,8 +246,8 @@ class DataLoader(Generic[_T_co]):
         if executor is not None:
             self._res.executor = _executor.ExecutorStage(executor, dataset, self._torch.collate_fn, self._split,
                                                          read_here=read_on_executor, worker_init_fn=worker_init_fn)
-        _LIVE.add(self._res)
-        self._finalizer = weakref.finalize(self, _finalize_loader, self._res)
+        LIVE.add(self._res)
+        self._finalizer = weakref.finalize(self, finalize_loader, self._res)
         self._initialized = True
 
     # -- torch's attributes -----------------------------------------------------------------
@@ -383,8 +391,16 @@ class DataLoader(Generic[_T_co]):
         self._stats.worker_restarts = self._res.restarts
         engine = self._res.engine
         io, depth = self._limits()
+        auto = is_auto(self.io_concurrency)
+        ceiling = MAX_IO if auto else io
+        settings = self._pool_settings
+        if settings is not None and settings.read_in_workers and self._res.pool is not None:
+            # each worker has a limit of its own: together, as their last replies gave them
+            start, most = self._read_limits(settings.num_workers)
+            io = self._stats.worker_read_limit() or start * settings.num_workers
+            ceiling = most * settings.num_workers
         gauges = dict(queue_occupancy=len(engine.ready) if engine is not None else 0, io_concurrency=io,
-                      queue_depth=depth, num_workers=self.num_workers)
+                      io_auto=auto, io_ceiling=ceiling, queue_depth=depth, num_workers=self.num_workers)
         if self._res.executor is not None:
             gauges.update(self._res.executor.figures(), num_workers=self._executor_spec().num_workers)
         tally = self._planner.tally
@@ -424,7 +440,7 @@ class DataLoader(Generic[_T_co]):
         # the worker count. Without it, workers are seeded per epoch from torch's base seed,
         # exactly as torch does, and no per-sample cost is paid.
         per_sample = not self._iterable and self.seed is not None
-        lazy = self.num_workers == 0 and not self._split and self.executor is None  # _InProcessIterator pulls
+        lazy = self.num_workers == 0 and not self._split and self.executor is None  # InProcessIterator pulls
         plan, self._progress = self._planner.plan(epoch, resume, per_sample, lazy=lazy)
         return plan
 
@@ -433,7 +449,8 @@ class DataLoader(Generic[_T_co]):
         current values (a pool started with others is replaced), except that persistent workers
         already running keep the values they were started with (torch reuses its iterator)."""
         t = self._torch
-        now = _PoolSettings(t.num_workers, t.collate_fn, t.worker_init_fn, t.multiprocessing_context)
+        now = _PoolSettings(t.num_workers, t.collate_fn, t.worker_init_fn, t.multiprocessing_context,
+                            self._reads_in_workers(t.num_workers))
         pool = self._res.pool
         if pool is not None and self._pool_settings is not None and now != self._pool_settings:
             if self.persistent_workers and now.num_workers > 0 and pool.alive():
@@ -441,45 +458,60 @@ class DataLoader(Generic[_T_co]):
             self._res.discard_pool()
         return now
 
-    def _reads_in_workers(self, settings: _PoolSettings) -> bool:
-        """Whether the workers await ``dataset.read`` themselves (:mod:`aioload._workers.reads`)."""
-        if not self._split or self._iterable or self.executor is not None or settings.num_workers == 0:
+    def _reads_in_workers(self, num_workers: int) -> bool:
+        """Whether the workers await ``dataset.read`` themselves (:mod:`aioload._workers.reads`):
+        decided here, for each pool, and handed to the pool and to every epoch's spec."""
+        if not self._split or self._iterable or self.executor is not None or num_workers == 0:
             return False
         if self.read_in_workers is not None:
             return self.read_in_workers
-        return bool(getattr(self.dataset, "read_in_workers", True)) and not is_auto(self.io_concurrency)
+        return bool(getattr(self.dataset, "read_in_workers", True))
+
+    def _budget(self) -> ErrorBudget:
+        """A fresh epoch's error budget."""
+        return ErrorBudget(self.on_error, self.max_errors, epoch_samples(self._torch), self._stats.skip)
 
     def _spec(self, settings: _PoolSettings) -> Spec:
+        """What this epoch's engine is given: every fact about how its batches are made,
+        decided here once from the loader's settings and ``settings`` (its pool's)."""
         t = self._torch
         if self.executor is not None:
             return self._executor_spec()
         if settings.num_workers == 0:
-            mode = "read"
+            mode = Mode.READ
         elif self._iterable:
-            mode = "iter"
+            mode = Mode.ITER
         elif t._auto_collation and settings.collate_fn is default_collate:
-            mode = "rows"
+            mode = Mode.ROWS
         else:
-            mode = "whole"
+            mode = Mode.WHOLE
+        if not self._split:
+            reads = Reads.NONE
+        else:
+            reads = Reads.WORKERS if settings.read_in_workers else Reads.ENGINE
         workers = max(1, settings.num_workers)
-        batch = t.batch_size or 1
         io, depth = self._limits()
-        pool = self._res.pool  # started for this epoch already: its workers read, or not
-        in_workers = pool is not None and settings.num_workers > 0 and pool.reads_here
-        reads = self._split and not in_workers  # reads on the engine's loop, to keep busy
+        # torch's dispatch wherever a user can tell: without seed= (per-sample seeds), which
+        # worker loads a batch decides its random draws, so batch i goes whole to worker i mod N
+        # and each worker loads its batches in order (see aioload._engine.spec.Turn).
+        # in_order=False lets torch give a batch to any worker with room: the least-loaded one,
+        # split into chunks.
+        round_robin = (settings.num_workers > 0 and self.in_order and mode in (Mode.ROWS, Mode.WHOLE)
+                       and self.seed is None)
+        batched = settings.num_workers > 0 and self._batched_fetch
+        bound = BatchBound(workers, prefetch=t.prefetch_factor or 2, batch_size=t.batch_size or 1,
+                           whole=round_robin or batched or mode in (Mode.WHOLE, Mode.ITER),
+                           reads=reads is Reads.ENGINE)
+        if self._tuner is not None:
+            self._tuner.controller.follow(bound.batches, tune_io=reads is Reads.ENGINE)
         return Spec(
-            dataset=self.dataset, split=self._split, mode=mode, batch_size=t.batch_size,
-            num_workers=workers, io_concurrency=io,
-            permits=batches_in_flight(workers, io, batch, reads=reads, quick=False) + depth,
-            permits_quick=batches_in_flight(workers, io, batch, reads=reads, quick=True) + depth,
-            read_in_workers=in_workers,
-            in_order=self.in_order, on_error=self.on_error,
+            dataset=self.dataset, split=self._split, mode=mode, reads=reads, batch_size=t.batch_size,
+            num_workers=workers, io_concurrency=io, bound=bound, queue_depth=depth,
+            in_order=self.in_order, on_error=self.on_error, round_robin=round_robin,
             pin=self._pin, prefetch_tasks=(t.prefetch_factor or 2) * workers,
             describe=getattr(self.dataset, "describe", None), tuner=self._tuner,
             read_timeout=self.read_timeout, max_errors=self.max_errors, epoch_samples=epoch_samples(t),
-            auto_collation=t._auto_collation,
-            batched_fetch=(settings.num_workers > 0 and not self._split and self.seed is None
-                           and _batched_fetch(self.dataset)),
+            auto_collation=t._auto_collation, batched_fetch=batched,
         )
 
     def _executor_spec(self) -> Spec:
@@ -489,16 +521,29 @@ class DataLoader(Generic[_T_co]):
         stage = self._res.executor
         in_flight = self.num_workers or _executor.default_in_flight(self.executor)
         io, depth = self._limits()
-        reads = self._split and not self.read_on_executor
-        permits = batches_in_flight(in_flight, io, t.batch_size or 1, reads=reads, quick=False) + depth
+        if not self._split:
+            reads = Reads.NONE
+        else:
+            reads = Reads.WORKERS if self.read_on_executor else Reads.ENGINE
+        bound = BatchBound(in_flight, prefetch=1, batch_size=t.batch_size or 1, whole=False,
+                           reads=reads is Reads.ENGINE)
         return Spec(
-            dataset=self.dataset, split=self._split, mode="executor", batch_size=t.batch_size,
-            num_workers=in_flight, io_concurrency=io, permits=permits, permits_quick=permits,
+            dataset=self.dataset, split=self._split, mode=Mode.EXECUTOR, reads=reads, batch_size=t.batch_size,
+            num_workers=in_flight, io_concurrency=io, bound=bound, queue_depth=depth,
             in_order=self.in_order, on_error=self.on_error, pin=self._pin, prefetch_tasks=in_flight,
             describe=getattr(self.dataset, "describe", None), tuner=None, read_timeout=self.read_timeout,
             max_errors=self.max_errors, epoch_samples=epoch_samples(t), auto_collation=t._auto_collation,
             executor=stage,
         )
+
+    def _read_limits(self, num_workers: int) -> tuple[int, int]:
+        """Reads in flight per worker, where the workers read: ``(at first, at most)``. A fixed
+        ``io_concurrency`` is split across the workers; ``"auto"`` starts each at its share of
+        ``START_IO`` and lets it grow to its share of ``MAX_IO`` (see aioload._reads.next_limit)."""
+        if is_auto(self.io_concurrency):
+            return -(-START_IO // num_workers), -(-MAX_IO // num_workers)
+        share = -(-int(self.io_concurrency) // num_workers)
+        return share, share
 
     def _pool(self, base_seed: int, settings: _PoolSettings) -> WorkerPool:
         """The worker pool; a new one starts with the epoch's base seed, as torch's workers do
@@ -513,6 +558,7 @@ class DataLoader(Generic[_T_co]):
             res.restarts += 1
         if res.pool is None:
             t = self._torch
+            read_limit, read_ceiling = self._read_limits(settings.num_workers)
             cfg = WorkerConfig(
                 dataset=self.dataset, num_workers=settings.num_workers, split=self._split,
                 iterable=self._iterable, auto_collation=t._auto_collation, collate_fn=settings.collate_fn,
@@ -520,15 +566,17 @@ class DataLoader(Generic[_T_co]):
                 base_seed=base_seed if self.seed is None else derive_seed(self.seed, 2**31),
                 exact_seeds=self.seed is not None,
                 keep_rng=self.persistent_workers and self.seed is None,
-                read_in_workers=self._reads_in_workers(settings),
-                io_limit=-(-self._limits()[0] // settings.num_workers), read_timeout=self.read_timeout,
+                batched_fetch=self._batched_fetch,
+                read_in_workers=settings.read_in_workers, read_limit=read_limit, read_ceiling=read_ceiling,
+                read_timeout=self.read_timeout,
             )
+            watch_exit()  # stopped before a multiprocessing child joins its children (NOTE [exit hooks])
             res.pool = WorkerPool(cfg, settings.num_workers, choose_context(settings.multiprocessing_context))
             res.workers = settings.num_workers
             self._pool_settings = settings
         return res.pool
 
-    def __iter__(self) -> "_Iterator | _InProcessIterator":
+    def __iter__(self) -> "EngineIterator | InProcessIterator":
         """An iterator over the next epoch. Making it starts nothing: the epoch (its plan, the
         workers, the engine) starts at its first ``next()``, so an iterator made to probe the
         loader and dropped costs nothing and leaves the epoch count as it was."""
@@ -540,8 +588,8 @@ class DataLoader(Generic[_T_co]):
             self._iterated = True
             warn_as_torch_iterator(self._torch, self.num_workers > 0 and self.executor is None, self.pin_memory)
         if self.num_workers == 0 and not self._split and self.executor is None:
-            return _InProcessIterator(self)
-        return _Iterator(self)
+            return InProcessIterator(self)
+        return EngineIterator(self)
 
     def _begin_epoch(self) -> _PoolSettings:
         """An iterator starts: the epoch in progress, if any, ends (one epoch at a time)."""
@@ -570,7 +618,7 @@ class DataLoader(Generic[_T_co]):
         called = len_called(self._torch, self._iterable)  # before the monitor asks len()
         self._begin_epoch()
         plan = self._plan()
-        return self._context(plan, budget_for(self), called, batches=None)
+        return self._context(plan, self._budget(), called, batches=None)
 
     def _start_engine(self) -> EpochContext:
         """The first ``next()`` of an iterator fed by the engine: the epoch's plan, the worker
@@ -606,7 +654,7 @@ class DataLoader(Generic[_T_co]):
         self._res.engine = engine
         return engine, ready, transfer
 
-    def __aiter__(self) -> "_Iterator | _InProcessIterator":
+    def __aiter__(self) -> "EngineIterator | InProcessIterator":
         return self.__iter__()
 
     def __repr__(self) -> str:

@@ -22,6 +22,7 @@ imports nothing of the engine's or the workers': both import it.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import time
 from typing import Any, NamedTuple
 
@@ -45,6 +46,38 @@ STALL_SAMPLE = 16
 standing for as many): driving a read step by step costs a few microseconds a read on a busy
 loop (measured: 4.5 us on the engine's loop, 1-2 us alone), which a habit of blocking, seen in
 every read, does not need paid for each one."""
+
+
+# ----------------------------------------------------------------------------- the reads in flight
+
+START_IO = 64
+"""Reads in flight that ``io_concurrency="auto"`` starts with, over all the places that read
+(each worker starts with its share)."""
+
+MAX_IO = 1024
+"""The bound ``io_concurrency="auto"`` never goes beyond, over all the places that read."""
+
+GROW_WAIT_S = 0.002
+"""A worker's decoding that waited at least this long for a task's reads may grow the limit."""
+
+GROW_WHEN_LIMITED = 0.5
+"""... when reads were queued behind the limit for at least this share of that wait."""
+
+
+def next_limit(limit: int, ceiling: int, waited_s: float, limited_s: float) -> int:
+    """A worker's reads-in-flight limit after one task, from what its decoding measured (the
+    policy of ``io_concurrency="auto"`` where the workers read).
+
+    The decoding waited ``waited_s`` for the task's reads, and during ``limited_s`` of that
+    wait reads were queued behind ``limit``: then the limit was what held it up, and it
+    doubles, up to ``ceiling`` (the worker's share of the global bound). A wait with reads
+    below the limit is the storage's latency or the CPU, which more reads would not shorten;
+    no wait is nothing to fix. The limit never shrinks: what a worker reads is bounded by the
+    tasks it holds (``prefetch_factor`` batches), so a high limit holds no more memory than
+    those tasks' samples."""
+    if limit >= ceiling or waited_s < GROW_WAIT_S or limited_s < GROW_WHEN_LIMITED * waited_s:
+        return limit
+    return min(ceiling, 2 * limit)
 
 
 class FailedRead:
@@ -321,6 +354,58 @@ class _Stepped:
                 raise
             except BaseException as exc:  # noqa: BLE001 - thrown in by the task (cancellation): passed on
                 error = exc
+
+
+# ----------------------------------------------------------------------------- a read's result on its way
+
+
+_PICKLES: set[type] = {bytes, bytearray, str, int, float, bool, complex, type(None)}
+"""Types known to pickle: the plain ones, and each type a value of which has pickled here."""
+
+_LOOK_INTO = 32
+"""Values :func:`unpicklable` looks at in one container before it trusts the rest: a read
+that returns thousands of numbers must not pay a check per number."""
+
+
+def unpicklable(value: object) -> tuple[object, Exception] | None:
+    """``None`` when ``value`` can travel to another process (a worker that decodes it); else the part of it that cannot be
+    pickled, and the error. Tuples, lists and dicts are looked into (up to ``_LOOK_INTO``
+    values); a value of any other type is pickled once, its buffers left out of band (an
+    array's data is not copied), and a type whose value pickled is not tried again. A value
+    that slips through (past the look-into bound, or a type that pickles only sometimes)
+    fails when its task is sent, as the error of its batch."""
+    budget = [_LOOK_INTO]
+    return _unpicklable(value, budget)
+
+
+def _unpicklable(value, budget: list) -> tuple[object, Exception] | None:
+    # Not aioload._handoff.tree's walk: this one is a search, not a map. It stops at the first value
+    # that fails and after _LOOK_INTO values whatever it found, counts the containers against
+    # that budget too, and looks into a dict's keys as well as its values. Only the built-in
+    # containers are opened: a value of any other type (a namedtuple, a Mapping) is simply
+    # pickled whole, which answers the question for everything inside it at once.
+    kind = type(value)
+    budget[0] -= 1
+    if kind in _PICKLES or budget[0] < 0:
+        return None
+    if kind is tuple or kind is list or kind is dict:
+        for item in (value.items() if kind is dict else value):
+            if budget[0] <= 0:
+                return None
+            found = _unpicklable(item, budget)
+            if found is not None:
+                return found
+        return None
+    try:
+        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=_out_of_band)
+    except Exception as exc:  # noqa: BLE001 - whatever pickling raised is the answer
+        return value, exc
+    _PICKLES.add(kind)
+    return None
+
+
+def _out_of_band(buffer) -> bool:
+    return False  # keep the buffer out of the pickle: only whether it pickles is asked
 
 
 def raw_nbytes(raw) -> int:

@@ -10,29 +10,30 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING
 
-from aioload._engine.spec import Shared
-
 if TYPE_CHECKING:
     from aioload._engine.engine import Engine
+    from aioload._engine.executor import ExecutorStage
+    from aioload._engine.spec import Shared
     from aioload._workers.pool import WorkerPool
 
-_LIVE: "weakref.WeakSet[_Resources]" = weakref.WeakSet()
+LIVE: "weakref.WeakSet[Resources]" = weakref.WeakSet()
 _EXITING = False
 
 
-class _Resources:
-    """Everything a loader must release; kept apart from the loader so a finalizer can reach it."""
+class Resources:
+    """Everything a loader must release; kept apart from the loader so a finalizer can reach it.
+    ``shared``: what outlives an epoch (the layout, the slot pool), made by the loader."""
 
-    def __init__(self):
+    def __init__(self, shared: Shared):
         self.pool: WorkerPool | None = None
         self.engine: Engine | None = None
-        self.shared = Shared()
+        self.shared = shared
         self.closed = False
         self.restarts = 0
         self.pid = os.getpid()  # a forked child (any worker process) inherits a copy: not its to close
         self.lost: str | None = None  # why the last pool was lost (a crash), until it is replaced
         self.workers = 0  # worker processes per pool, once one has been started
-        self.executor = None  # an aioload._engine.executor.ExecutorStage with executor=
+        self.executor: ExecutorStage | None = None  # with executor=
         watch_exit()
 
     def started_here(self) -> bool:
@@ -83,7 +84,7 @@ class _Resources:
             self.executor.close()
 
 
-def _finalize_loader(res: _Resources) -> None:
+def finalize_loader(res: Resources) -> None:
     if res.closed:
         return
     if res.workers and not _EXITING:  # it started processes, even if none runs right now
@@ -101,7 +102,7 @@ def _close_all_at_exit() -> None:
     it runs from whichever exit hook comes first (see :func:`watch_exit`)."""
     global _EXITING
     _EXITING = True
-    for res in list(_LIVE):
+    for res in list(LIVE):
         if res.started_here():
             res.close()
 

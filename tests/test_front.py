@@ -14,8 +14,8 @@ import pytest
 
 import aioload
 from aioload._epoch import EpochContext, EpochIterator
-from aioload._inprocess import _InProcessIterator
-from aioload._iterator import _Iterator
+from aioload._inprocess import InProcessIterator
+from aioload._iterator import EngineIterator
 from tests.conftest import aioload_threads
 from tests.datasets import SlowReads, Squares
 
@@ -53,7 +53,7 @@ def test_the_front_end_does_not_import_the_loader(name):
     assert "aioload._loader" not in imported
 
 
-@pytest.mark.parametrize("make, kind", [(plain, _InProcessIterator), (split, _Iterator)])
+@pytest.mark.parametrize("make, kind", [(plain, InProcessIterator), (split, EngineIterator)])
 def test_both_iterators_share_one_base(make, kind):
     with make() as loader:
         it = iter(loader)

@@ -197,7 +197,7 @@ def test_the_sample_that_taught_the_layout_is_moved_into_its_row(segments):
 
 def test_equal_payloads_share_one_skeleton():
     payload = pickle.dumps({"x": in_column(0), "name": "a"})
-    skeletons = load_rows([(0, payload), (1, b""), (2, payload)])
+    skeletons = load_rows([(0, payload), (1, payload), (2, bytes(bytearray(payload)))])  # the same, and equal
     assert skeletons[0] is skeletons[1] is skeletons[2]
 
 

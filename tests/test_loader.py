@@ -47,14 +47,24 @@ def _limits_seen(loader) -> tuple[int, list[tuple[int, int]]]:
     return samples, seen
 
 
+def test_whole_batches_keep_what_each_worker_holds_in_flight_and_queue_depth_on_top():
+    # torch's dispatch (in order, no seed=): each batch goes whole to its worker, which holds
+    # PER_WORKER_TASKS of them; queue_depth finished batches come on top of those, from the start.
+    held = 2 * PER_WORKER_TASKS + 2
+    with aioload.DataLoader(SlowSquares(80, 0.002), batch_size=8, num_workers=2, queue_depth=2) as loader:
+        samples, seen = _limits_seen(loader)
+        assert samples == 80 and set(seen) == {(held, held + 1)}
+
+
 def test_quick_batches_get_more_batches_in_flight(monkeypatch):
-    # Batches measured to decode within WHOLE_BATCH_SECONDS go to one worker whole; once that
-    # is measured, each worker gets PER_WORKER_TASKS of them in flight (queue_depth on top),
-    # and the slot pool keeps as many slots. The line is moved far above any batch's time, so
-    # that what is tested is the switch, not this machine's speed.
+    # With seed= a batch is split across the workers, one batch per worker in flight; batches
+    # measured to decode within WHOLE_BATCH_SECONDS go to one worker whole, and once that is
+    # measured each worker gets PER_WORKER_TASKS of them in flight (queue_depth on top), and
+    # the slot pool keeps as many slots. The line is moved far above any batch's time, so that
+    # what is tested is the switch, not this machine's speed.
     monkeypatch.setattr(_decode, "WHOLE_BATCH_SECONDS", 60.0)
     quick = 2 * PER_WORKER_TASKS + 2
-    with aioload.DataLoader(Squares(400), batch_size=8, num_workers=2, queue_depth=2) as loader:
+    with aioload.DataLoader(Squares(400), batch_size=8, num_workers=2, queue_depth=2, seed=0) as loader:
         samples, seen = _limits_seen(loader)
         assert samples == 400 and loader._res.shared.quick
         assert seen[-1] == (quick, quick + 1)  # 2 + 2 before the first batch was timed
@@ -64,9 +74,9 @@ def test_quick_batches_get_more_batches_in_flight(monkeypatch):
 
 def test_slow_batches_keep_one_batch_per_worker_in_flight(monkeypatch):
     # 8 samples of 5 ms: a batch of 40 ms or more, far above the (lowered) line, is split across
-    # the workers; no more batches in flight.
+    # the workers (seed=); no more batches in flight.
     monkeypatch.setattr(_decode, "WHOLE_BATCH_SECONDS", 0.001)
-    with aioload.DataLoader(SlowSquares(80, 0.005), batch_size=8, num_workers=2, queue_depth=2) as loader:
+    with aioload.DataLoader(SlowSquares(80, 0.005), batch_size=8, num_workers=2, queue_depth=2, seed=0) as loader:
         samples, seen = _limits_seen(loader)
         assert samples == 80 and not loader._res.shared.quick
         assert {permits for permits, _ in seen} == {2 + 2}

@@ -17,8 +17,10 @@ import pytest
 import torch
 
 import aioload
-from aioload._engine.limiter import Limiter
+from aioload._limiter import Limiter
 from aioload._observe.stats import LoaderStats, StatsRecorder, format_stats
+from aioload._engine.spec import BatchBound
+from aioload._observe import tune
 from aioload._observe.tune import Controller, Tuner, Window
 
 READ_S = 0.02
@@ -264,6 +266,13 @@ def test_limiter_resizes_and_survives_cancellation():
 
 
 # -- the tuner, fed synthetic measurements --------------------------------------------------------
+def controller(batch_size: int = 32, **kw) -> Controller:
+    """A controller for two workers whose batches are split across them (one batch each in
+    flight) and whose reads run on the engine's loop (enough batches to keep them busy)."""
+    return Controller(batch_size=batch_size, num_workers=2,
+                      in_flight=BatchBound(2, 2, batch_size, whole=False, reads=True).batches, **kw)
+
+
 def pipeline(c: Controller, latency: float, decode_rate: float, demand: float = float("inf"),
              storage_rate: float | None = None) -> Window:
     """One second of a model pipeline: reads limited by ``c.io / latency`` (and the storage's
@@ -294,7 +303,7 @@ def run_controller(c: Controller, windows: int = 60, **model) -> list[tuple[int,
     (0.0, 500, float("inf")),     # local: nothing to tune
 ])
 def test_controller_converges_and_settles(latency, decode_rate, demand):
-    c = Controller(batch_size=32, num_workers=2)
+    c = controller()
     history = run_controller(c, latency=latency, decode_rate=decode_rate, demand=demand)
     needed = min(decode_rate, demand) * latency
     assert c.io >= needed  # reads are no longer the bottleneck
@@ -305,14 +314,14 @@ def test_controller_converges_and_settles(latency, decode_rate, demand):
 
 
 def test_controller_stops_where_storage_saturates():
-    c = Controller(batch_size=32, num_workers=2)
+    c = controller()
     history = run_controller(c, latency=0.05, decode_rate=1e6, storage_rate=3000)
     assert c.io == 256  # 128 serves 2560/s, 256 reaches 3000/s, 512 gains nothing and was undone
     assert len(set(history[-20:])) == 1 and c.settled
 
 
 def test_controller_grows_depth_only_while_it_helps():
-    c = Controller(batch_size=32, num_workers=2, io=64)
+    c = controller(io=64)
     for _ in range(40):
         rate = min(1200.0, 300.0 * c.depth)  # each extra batch in flight helps, up to 1200/s
         c.update(Window(seconds=1.0, batches=round(rate / 32), wait_fraction=1 - rate / 1500, reads=round(rate),
@@ -322,7 +331,7 @@ def test_controller_grows_depth_only_while_it_helps():
 
 
 def test_controller_judges_by_decoded_items_when_nothing_is_read():
-    c = Controller(batch_size=32, num_workers=2, io=64)  # an IterableDataset: no reads at all
+    c = controller(io=64)  # an IterableDataset: no reads at all
     history = []
     for _ in range(30):
         c.update(Window(seconds=1.0, batches=20, wait_fraction=0.5, reads=0, read_s=0.0, bytes_read=0,
@@ -334,7 +343,7 @@ def test_controller_judges_by_decoded_items_when_nothing_is_read():
 
 def test_controller_respects_the_memory_budget():
     # raw reads of 1 MB each: 32 MB per batch in flight; a 200 MB budget holds 6 batches.
-    c = Controller(batch_size=32, num_workers=2, memory_budget=200 * 10**6)
+    c = controller(memory_budget=200 * 10**6)
     for _ in range(40):
         w = pipeline(c, latency=0.05, decode_rate=5000)
         c.update(dataclasses.replace(w, bytes_read=w.reads * 10**6))
@@ -342,23 +351,43 @@ def test_controller_respects_the_memory_budget():
     assert c.settled and c.io == 128  # 250 in flight would be needed without the budget
 
 
-def test_tuner_applies_limits_to_the_engine():
+def test_the_tuner_hands_each_change_to_the_engine(monkeypatch):
+    """The tuner samples the counters and gives the controller's numbers, when they change, to
+    the engine's ``apply(io, permits)``; it knows nothing else of the engine."""
+    monkeypatch.setattr(tune, "TICK_S", 0.001)
+    monkeypatch.setattr(tune, "MIN_WINDOW_S", 0.0)
+    c = controller(batch_size=8)
+    stats = StatsRecorder()
+    applied: list = []
+
     async def main():
-        io, permits = Limiter(16), Limiter(4)
-        tuner = Tuner(Controller(batch_size=8, num_workers=2))
-        tuner.controller.io, tuner.controller.depth = 64, 3
-        tuner.apply(io, permits, shared=None)
-        assert io.limit == 64 and permits.limit == 8 + 3
+        running = asyncio.create_task(Tuner(c).run(stats, lambda io, permits: applied.append((io, permits)),
+                                                   lambda: 1000))
+        try:
+            async with asyncio.timeout(30):  # a hang guard: nothing here waits on time
+                while not applied:
+                    # a window in which the consumer waited and 64 reads were always in flight
+                    stats.batches += 10
+                    stats.wait_s += 1.0
+                    stats.reads += 80
+                    stats.read_s += 64.0
+                    await asyncio.sleep(0.001)
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
 
     asyncio.run(main())
+    assert applied[0] == (128, 128 // 8 + 2)  # io doubled; the batches to keep it busy, plus depth
+    assert c.io == 128
 
 
-def test_auto_grows_io_concurrency_on_slow_reads():
-    """End to end: 100 ms reads, trivial decode, a consumer that only waits: auto must raise
-    io_concurrency above its start, and every sample still arrives exactly once per epoch."""
+def test_auto_grows_io_concurrency_on_slow_reads_on_the_loaders_loop():
+    """End to end: 100 ms reads on the engine's loop, trivial decode, a consumer that only
+    waits: auto must raise io_concurrency above its start, and every sample still arrives
+    exactly once per epoch."""
     n = 1024  # 64 reads in flight serve 640 samples/s: an epoch lasts long enough to measure
     with aioload.DataLoader(Timed(n, read_s=0.1), batch_size=8, num_workers=1, io_concurrency="auto",
-                            queue_depth="auto") as loader:
+                            queue_depth="auto", read_in_workers=False) as loader:
         assert loader.io_concurrency == "auto"
         start = loader.stats().io_concurrency
         assert start == 64
@@ -368,3 +397,24 @@ def test_auto_grows_io_concurrency_on_slow_reads():
                 break
         assert loader.stats().io_concurrency > start, f"io_concurrency stayed at {start}: {loader.stats()}"
         assert "auto" in repr(loader)
+
+
+def test_auto_grows_each_workers_reads_while_its_decoding_waits_at_the_limit():
+    """Reads in the workers (the default): 100 ms reads, batches of 128, a worker that starts
+    with 64 reads in flight (its share of io_concurrency="auto") reads each batch in two
+    rounds while its decoding waits, with reads queued behind the limit: the limit doubles
+    (and again while the next task's reads queue too), and the statistics say so. With a fixed io_concurrency it stays where it was put."""
+    n = 512
+    with aioload.DataLoader(Timed(n, read_s=0.1), batch_size=128, num_workers=1, io_concurrency="auto") as loader:
+        assert loader.stats().io_concurrency == 64
+        assert sorted(drain(loader)) == list(range(n))
+        s = loader.stats()
+        # doubled at least once, and never beyond what the worker can read at once: the samples
+        # of the two tasks it holds
+        assert 128 <= s.io_concurrency <= 2 * 128 and s.io_auto and s.io_ceiling == 1024
+        assert s.read_wait_s > 0 and s.read_limited_s > 0
+    with aioload.DataLoader(Timed(n, read_s=0.1), batch_size=128, num_workers=1, io_concurrency=64) as loader:
+        assert sorted(drain(loader)) == list(range(n))
+        s = loader.stats()
+        assert s.io_concurrency == 64 and not s.io_auto and s.io_ceiling == 64
+        assert s.read_limited_s > 0.5 * s.read_wait_s > 0  # the limit held the reads back

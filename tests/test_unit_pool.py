@@ -5,7 +5,7 @@
 A :class:`PoolSession` uses six attributes of its :class:`~aioload._workers.pool.WorkerPool`:
 ``num_workers``, ``socks`` (one non-blocking task socket per worker), ``ready`` (which workers
 said they started), ``broken`` (the error that broke the pool), ``procs`` (``pid``,
-``exitcode`` and ``join`` of a worker found dead) and ``reads_here`` (the workers read). :class:`StandInPool` provides exactly
+``exitcode`` and ``join`` of a worker found dead). :class:`StandInPool` provides exactly
 those over real ``socket.socketpair()`` sockets; the test coroutine plays each worker on the
 other end with the worker's own message framing (:mod:`aioload._workers.wire`) and messages
 (:mod:`aioload._workers.messages`): it says ``WorkerReady``/``InitError``, reads the ``Task`` and
@@ -25,8 +25,9 @@ import pytest
 
 from aioload._workers import wire as _wire
 from aioload._errors import WorkerCrashedError, pack_exception
-from aioload._workers.messages import CancelReads, Done, InitError, StartEpoch, Task, WorkerReady
-from aioload._workers.pool import PER_WORKER_TASKS, PoolSession, batches_in_flight
+from aioload._engine.spec import BatchBound
+from aioload._workers.messages import BatchOut, CancelReads, Done, InitError, StartEpoch, Task, WorkerReady
+from aioload._workers.pool import PER_WORKER_TASKS, PoolSession
 
 pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
 
@@ -77,7 +78,7 @@ class PlayedWorker:
 
     def labels(self) -> list:
         """The payloads of the tasks that arrived since the last call."""
-        return [t.payload for t in self.tasks()]
+        return [t.work for t in self.tasks()]
 
     def say(self, message) -> None:
         self.sock.sendall(_wire.encode(message))
@@ -103,15 +104,14 @@ class PlayedWorker:
 def done(task_id: int, label=None) -> Done:
     """A worker's reply to task ``task_id``: one batch-wide payload (``label``), no errors, no
     leaf specs (the samples hold no leaves; the tasks here have no slot), no overflow wanted."""
-    return Done(task_id, [label], [], [], 0, 0.0)
+    return Done(task_id, BatchOut(label), [], [], 0, 0.0)
 
 
 class StandInPool:
     """The attributes of a WorkerPool that a PoolSession uses, with played workers."""
 
-    def __init__(self, num_workers: int, exitcode: int = -signal.SIGKILL, reads_here: bool = False):
+    def __init__(self, num_workers: int, exitcode: int = -signal.SIGKILL):
         self.num_workers = num_workers
-        self.reads_here = reads_here
         self.ready = [False] * num_workers
         self.broken: BaseException | None = None
         self.socks: list[socket.socket] = []
@@ -128,13 +128,13 @@ class StandInPool:
             sock.close()
 
 
-def run(body, workers: int = 2, ready: int | None = None, **pool_args):
+def run(body, workers: int = 2, ready: int | None = None, cancel_reads: bool = False, **pool_args):
     """Run ``await body(session, pool)`` with the session serving; the first ``ready`` workers
-    (all by default) have reported that they started."""
+    (all by default) have reported that they started; ``cancel_reads``: the workers read."""
 
     async def main():
         pool = StandInPool(workers, **pool_args)
-        session = PoolSession(pool)
+        session = PoolSession(pool, cancel_reads=cancel_reads)
         serving = asyncio.create_task(session.serve())
         try:
             for worker in pool.workers[: workers if ready is None else ready]:
@@ -161,12 +161,11 @@ async def until(condition) -> None:
 
 
 def task(session, priority=0, indices=None, payload=None, worker=None):
-    """Queue a task of batch ``priority``; its payload (what the worker sees as
-    ``Task.payload``; the pool does not look into it) defaults to the priority, its dataset
-    indices to ``[priority]``."""
+    """Queue a task of batch ``priority``; its work (what the worker sees as ``Task.work``; the
+    pool does not look into it) defaults to the priority, its dataset indices to ``[priority]``."""
     payload = priority if payload is None else payload
     indices = [priority] if indices is None else list(indices)
-    return session.enqueue("whole", None, payload, indices, priority, worker)
+    return session.enqueue(payload, None, indices, priority, worker)
 
 
 async def reply(future):
@@ -208,7 +207,7 @@ def test_each_worker_gets_per_worker_tasks_and_the_rest_wait():
         w2 = pool.workers[2]
         first = w2.got[0]
         w2.answer(first.task_id)
-        await reply(futures[first.payload])
+        await reply(futures[first.work])
         assert w2.labels() == [n], "the waiting task went to the worker that had room"
         (indices, wid, task_id), = session.requests_for(n)
         assert (indices, wid) == ([n], 2) and task_id in session.tasks_of(2)
@@ -247,9 +246,9 @@ def test_lower_priority_numbers_are_sent_first():
         for _ in range(len(futures)):  # the worker finishes its oldest task, and the next one comes
             oldest = next(m for m in w.got if m.task_id not in w.answered)
             w.answer(oldest.task_id)
-            await reply(futures[oldest.payload])
+            await reply(futures[oldest.work])
             w.labels()
-        assert [m.payload for m in w.got] == [*range(PER_WORKER_TASKS), "3a", "3b", "5", "7"], \
+        assert [m.work for m in w.got] == [*range(PER_WORKER_TASKS), "3a", "3b", "5", "7"], \
             "lowest priority first; equal priorities in the order they were queued"
 
     run(body, workers=1)
@@ -392,7 +391,7 @@ def test_a_broadcast_reaches_every_worker_in_order_with_tasks():
         got = pool.workers[0].received()
         assert len(got) == 2
         assert type(got[0]) is StartEpoch and got[0] == StartEpoch(3, True)
-        assert type(got[1]) is Task and got[1].payload == 0
+        assert type(got[1]) is Task and got[1].work == 0
         (other,) = pool.workers[1].received()
         assert type(other) is StartEpoch and other == StartEpoch(3, True)
         pool.workers[0].answer(got[1].task_id)
@@ -409,7 +408,7 @@ def test_a_task_larger_than_the_socket_buffer_arrives_whole_and_before_the_next(
         small = task(session, 1, payload=b"after")
         got = []
         await until(lambda: got.extend(w.received()) or len(got) == 2)
-        assert got[0].payload == big and got[1].payload == b"after"
+        assert got[0].work == big and got[1].work == b"after"
         for m in got:
             w.answer(m.task_id)
         await reply(asyncio.gather(large, small))
@@ -454,7 +453,7 @@ def test_an_abandoned_epoch_tells_the_workers_that_read_to_cancel_their_reads():
         assert await session.drain(HANG_GUARD) is True
         await reply(sent)
 
-    run(body, workers=2, reads_here=True)
+    run(body, workers=2, cancel_reads=True)
 
 
 async def until_received(worker: PlayedWorker) -> list:
@@ -464,15 +463,17 @@ async def until_received(worker: PlayedWorker) -> list:
 
 
 # ----------------------------------------------------------------------------- permits
-@pytest.mark.parametrize("workers,io,batch,reads,quick,expected", [
-    (1, 64, 8, False, False, 2),   # never fewer than two
-    (4, 64, 8, False, False, 4),   # one per worker; no reads, io adds nothing
-    (4, 64, 8, False, True, 4 * PER_WORKER_TASKS),
-    (2, 64, 8, True, False, 8),    # enough batches to keep 64 reads busy
-    (2, 65, 8, True, False, 9),    # rounded up
-    (2, 64, 1, True, True, 64),
-    (16, 64, 32, True, True, 16 * PER_WORKER_TASKS),
-    (2, 5, 0, True, False, 5),     # a batch of no size counts as one
+@pytest.mark.parametrize("workers,io,batch,whole,reads,quick,expected", [
+    (1, 64, 8, False, False, False, 2),   # never fewer than two
+    (4, 64, 8, False, False, False, 4),   # split into chunks: one per worker; no reads, io adds nothing
+    (4, 64, 8, True, False, False, 4 * PER_WORKER_TASKS),  # whole batches: as many as the workers hold
+    (4, 64, 8, False, False, True, 4 * PER_WORKER_TASKS),  # quick batches go whole too
+    (2, 64, 8, False, True, False, 8),    # enough batches to keep 64 reads busy
+    (2, 65, 8, False, True, False, 9),    # rounded up
+    (2, 64, 1, False, True, True, 64),
+    (16, 64, 32, False, True, True, 16 * PER_WORKER_TASKS),
+    (2, 5, 0, False, True, False, 5),     # a batch of no size counts as one
 ])
-def test_batches_in_flight(workers, io, batch, reads, quick, expected):
-    assert batches_in_flight(workers, io, batch, reads=reads, quick=quick) == expected
+def test_batches_in_flight(workers, io, batch, whole, reads, quick, expected):
+    bound = BatchBound(workers, PER_WORKER_TASKS, batch, whole=whole, reads=reads)
+    assert bound.batches(io, quick=quick) == expected

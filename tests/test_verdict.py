@@ -282,3 +282,47 @@ def test_log_every_goes_through_configured_logging_only():
     done = run_script("configured")
     assert any(line.startswith("LOG aioload aioload: ") for line in done.stdout.splitlines()), done.stdout
     assert " samples/s over " not in done.stderr
+
+
+# Ten seconds in which the workers read their samples and their decoding waited for reads a
+# third of their time; decode itself had CPUs to spare.
+WORKER_READS = dict(batches=100, samples=6400, epochs=1, elapsed_s=10.0, first_batch_s=0.5, wait_s=8.0, reads=6400,
+                    read_s=50.0, decoded=6400, decode_s=8.0, decode_cpu_s=8.0, num_workers=2, io_concurrency=64,
+                    io_ceiling=64, read_wait_s=6.0)
+
+
+def test_workers_waiting_for_reads_held_at_a_fixed_limit_name_the_limit():
+    s = LoaderStats(**WORKER_READS, read_limited_s=5.0)
+    assert s.verdict_category == "read-bound", s
+    assert s.read_wait_share == pytest.approx(0.3)
+    assert s.verdict == (
+        "data-bound 84% of the time: the workers' decoding waited for its reads 30% of the time (read p50 0.0 ms, "
+        "reads queued behind the reads-in-flight limit 83% of that wait): the limit is io_concurrency=64 "
+        "(32 per worker): raise it, or use io_concurrency='auto'")
+
+
+def test_auto_at_its_bound_says_the_bound_and_auto_below_it_says_it_is_rising():
+    top = LoaderStats(**{**WORKER_READS, "io_concurrency": 1024, "io_ceiling": 1024}, io_auto=True, read_limited_s=5.0)
+    assert top.verdict_category == "read-bound"
+    assert top.verdict.endswith("io_concurrency='auto' has reached its bound (1024, 512 per worker): the storage "
+                                "needs more reads in flight than that; set io_concurrency above it")
+    rising = LoaderStats(**{**WORKER_READS, "io_ceiling": 1024}, io_auto=True, read_limited_s=5.0)
+    assert rising.verdict.endswith("io_concurrency='auto' is raising the limit (64 now, 32 per worker); a longer "
+                                   "run settles it")
+
+
+def test_workers_waiting_for_reads_below_the_limit_is_latency_not_the_limit():
+    s = LoaderStats(**WORKER_READS, read_limited_s=0.5)
+    assert s.verdict_category == "read-latency-bound", s
+    assert "below the reads-in-flight limit of 64, 32 per worker" in s.verdict
+    assert s.verdict.endswith("raise prefetch_factor so that each worker reads further ahead")
+    quiet = LoaderStats(**{**WORKER_READS, "read_wait_s": 0.5}, read_limited_s=0.5)  # 2.5 % of the time
+    assert quiet.verdict_category == "unexplained"
+
+
+def test_reads_held_at_the_workers_limit_are_read_bound_end_to_end():
+    """Real workers: 50 ms reads, batches of 16 and a fixed 4 reads in flight per worker:
+    the decoding waits, its reads queued behind the limit, and the verdict names it."""
+    s = verdict_of(Load(64, read_s=0.05), batch_size=16, num_workers=1, io_concurrency=4)
+    assert s.verdict_category == "read-bound", s
+    assert "the limit is io_concurrency=4 (4 per worker)" in s.verdict or "reads are saturated" in s.verdict

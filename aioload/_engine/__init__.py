@@ -7,6 +7,6 @@ the workers, the layout learned, batches assembled from slots), ``iterable`` (an
 ``concurrent.futures.Executor``; ``executor_process`` is what runs in the executor's
 processes, ``daskplugin`` gives a Dask cluster's workers the dataset once each), ``gpudecode`` (``decode_device=``), and ``ready`` (the
 bounded, reordering queue the consumer drains). ``spec`` holds the values an epoch is given
-and hands back; ``stuck`` says where a stuck epoch is held up; ``budget`` is
-``on_error="skip"``; ``limiter`` the resizable bounds.
+and hands back; ``lease`` is one batch's ownership of its slot and permit; ``stuck`` says
+where a stuck epoch is held up; ``budget`` is ``on_error="skip"``.
 """

@@ -116,6 +116,12 @@ SKIPPED = object()
 """What :func:`run_in_process` returns for a sample that failed and was skipped."""
 
 
+class AllSkipped(Exception):
+    """Every sample of a batch was skipped (``on_error="skip"``): the batch is not delivered.
+    Raised where a batch is finished in the consumer's thread (``num_workers=0``, a GPU
+    decode), caught by the iterator, which goes on to the next batch."""
+
+
 def run_in_process(budget: ErrorBudget, describe, stage: str, indices: list, fn, *args):
     """Run ``fn(*args)``, one stage of the samples ``indices``, in this process (``num_workers=0``).
 
@@ -132,7 +138,3 @@ def run_in_process(budget: ErrorBudget, describe, stage: str, indices: list, fn,
         budget.failed(indices, exc)
         return SKIPPED
 
-
-def budget_for(loader) -> ErrorBudget:
-    """A fresh epoch's budget for ``loader`` (an ``aioload.DataLoader``)."""
-    return ErrorBudget(loader.on_error, loader.max_errors, epoch_samples(loader._torch), loader._stats.skip)

@@ -32,16 +32,17 @@ from typing import Any
 
 from aioload._engine.budget import ErrorBudget
 from aioload._engine.decode import DecodeStage, LayoutLesson
-from aioload._errors import TooManyErrorsError, WorkerCrashedError, forget_locals
 from aioload._engine.iterable import IterableStage
-from aioload._engine.limiter import Limiter
+from aioload._engine.lease import Lease
+from aioload._engine.reads import ReadStage
+from aioload._engine.ready import ReadyQueue
+from aioload._engine.spec import Cancelled, Failure, Mode, Plan, Ready, Reads, Shared, Spec, Turn, resize_permits
+from aioload._engine.stuck import InFlight, StuckReport, describe_stuck
+from aioload._errors import TooManyErrorsError, WorkerCrashedError, forget_locals
+from aioload._limiter import Limiter
+from aioload._observe.stats import StatsRecorder
 from aioload._workers.messages import StartEpoch
 from aioload._workers.pool import PoolSession, WorkerPool
-from aioload._engine.reads import ReadStage
-from aioload._engine.ready import SKIP, ReadyQueue
-from aioload._engine.spec import Failure, Plan, Ready, Shared, Spec, Turn, _Cancelled, resize_permits
-from aioload._observe.stats import StatsRecorder
-from aioload._engine.stuck import InFlight, StuckReport, describe_stuck
 
 try:
     import uvloop
@@ -75,13 +76,8 @@ class Engine:
         self.drain_timeout = DRAIN_TIMEOUT  # 0 once a sample is known to be stuck
         self.budget = ErrorBudget(spec.on_error, spec.max_errors, spec.epoch_samples, stats.skip)
         self._inflight = InFlight()  # written by the stages, read by the stuck report
-        # torch's dispatch wherever a user can tell: without seed= (per-sample seeds), which
-        # worker loads a batch decides its random draws, so batch i goes whole to worker i mod N
-        # and each worker loads its batches in order (see Turn). in_order=False lets torch
-        # give a batch to any worker with room: the least-loaded one, split into chunks, here.
-        self._round_robin = (pool is not None and spec.in_order and spec.mode in ("rows", "whole")
-                             and not plan.per_sample_seeds)
         self._turns: list[Turn | None] = [None] * spec.num_workers  # round-robin: each worker's last batch
+        self._copies: dict[asyncio.Future, object] = {}  # device copies running: the CPU batch each reads
         # Made on the engine's loop, all in _build, before the thread's handshake:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -104,6 +100,7 @@ class Engine:
         started.wait()
 
     def give_permit(self) -> None:
+        """The consumer took a batch it owed a permit for (see :meth:`Lease.deliver`)."""
         loop = self._loop
         if loop is not None and self._permits is not None:
             try:
@@ -128,7 +125,7 @@ class Engine:
         # iterator is collected (an exception's traceback can keep that alive for long).
         # A consumer that asks again is told the epoch was stopped, even when the engine
         # had already made every batch (it must not wait for batches that were let go).
-        self.ready.fail(_Cancelled())
+        self.ready.fail(Cancelled())
         self.ready.drain()
 
     @property
@@ -188,13 +185,13 @@ class Engine:
         try:
             total = await self._tuned()
         except asyncio.CancelledError:
-            self.ready.fail(_Cancelled())
+            self.ready.fail(Cancelled())
         except BaseException as exc:  # noqa: BLE001 - delivered to the consumer
             self.ready.fail(forget_locals(_first(exc)))
         else:
             self.ready.finish(total)
         finally:
-            await self._release_holds()
+            await self._copies_done()
 
     def _build(self) -> None:
         """The epoch's loop-bound objects and its stages, each given what it uses."""
@@ -203,26 +200,26 @@ class Engine:
         self._io = Limiter(spec.io_concurrency)
         self._reads = reads = ReadStage(spec, stats, budget, self._io, inflight, pickled=self.pool is not None)
         if self.pool is not None:
-            self._session = session = PoolSession(self.pool)
+            self._session = session = PoolSession(self.pool, per_worker=spec.bound.prefetch,
+                                                  cancel_reads=spec.reads is Reads.WORKERS)
             self._lesson = lesson = LayoutLesson(self.shared, spec.num_workers)
             self._decode = DecodeStage(
                 spec, self.shared, stats, budget, reads, session, register=self.pool.register, permits=permits,
-                lesson=lesson, deliver=self._deliver, on_quick=self._note_quick, round_robin=self._round_robin,
+                lesson=lesson, finish=self._finish, on_quick=self._note_quick,
             )
-            if spec.mode == "iter":
-                self._iterable = IterableStage(spec, session, permits, self.ready, self._decode, lesson, inflight,
-                                               self._put)
-        if spec.mode == "executor":
-            self._executor = spec.executor.epoch(reads, stats, budget, self._deliver, base_seed=self.plan.base_seed,
+            if spec.mode is Mode.ITER:
+                self._iterable = IterableStage(spec, session, permits, self._decode, lesson, self._lease)
+        if spec.mode is Mode.EXECUTOR:
+            self._executor = spec.executor.epoch(reads, stats, budget, self._finish, base_seed=self.plan.base_seed,
                                                  pin=self.transfer is not None and spec.pin)
         self._stuck = StuckReport(spec, self.pool, self._session, inflight)
 
     def _permit_limit(self) -> int:
         """Batches in flight plus ready: the tuner's number, or the spec's; more once batches
-        are known to be quick (:func:`aioload._workers.pool.batches_in_flight`)."""
+        are known to be quick (:class:`~aioload._engine.spec.BatchBound`)."""
         if self.spec.tuner is not None:
             return self.spec.tuner.controller.permits
-        return self.spec.permits_quick if self.shared.quick else self.spec.permits
+        return self.spec.permits(quick=self.shared.quick)
 
     def _note_quick(self, quick: bool) -> None:
         """Batches turned out quick (or no longer are): resize the permits and the slot pool."""
@@ -234,11 +231,13 @@ class Engine:
         resize_permits(self._permits, self.shared, self._permit_limit())
 
     async def _tuned(self) -> int:
-        """The epoch, with the autotuner resizing the limits beside it when asked."""
-        if self.spec.tuner is None:
+        """The epoch, with the autotuner resizing the limits beside it when it has one to move
+        (``io_concurrency="auto"`` where the workers read is theirs: see aioload._reads.next_limit)."""
+        tuner = self.spec.tuner
+        if tuner is None or not (tuner.controller.tune_io or tuner.controller.tune_depth):
             return await self._main()
         async with asyncio.TaskGroup() as tg:
-            tuning = tg.create_task(self.spec.tuner.run(self.stats, self._io, self._permits, self.shared))
+            tuning = tg.create_task(self.spec.tuner.run(self.stats, self._apply_limits, self._slot_bytes))
             try:
                 return await self._main()
             finally:
@@ -271,81 +270,88 @@ class Engine:
                         self.clean = False
         return total
 
-    async def _release_holds(self) -> None:
+    def _apply_limits(self, io: int, permits: int) -> None:
+        """The tuner's numbers: reads in flight, and batches between the sampler and the consumer."""
+        self._io.set_limit(io)
+        resize_permits(self._permits, self.shared, permits)
+
+    def _slot_bytes(self) -> int:
+        """The size of one slot (0 while none exists), for the tuner's memory budget."""
+        slots = self.shared.slots
+        return slots.layout.size if slots is not None else 0
+
+    async def _copies_done(self) -> None:
         """Let in-flight device copies finish before their slots can be reused."""
-        holds = list(self.shared.holds)
-        if holds:
-            await asyncio.gather(*holds, return_exceptions=True)
+        copies = list(self._copies)
+        if copies:
+            await asyncio.gather(*copies, return_exceptions=True)
 
     # -- stage 1: the sampler ---------------------------------------------------------------
     async def _produce(self, tg: asyncio.TaskGroup) -> int:
         total = 0
         for seq, indices in self.plan.batches:
             await self._permits.acquire()
-            tg.create_task(self._batch(seq, indices, self._turn(seq)))
+            tg.create_task(self._batch(self._lease(seq, indices, self._turn(seq))))
             total = seq + 1
         return total
 
+    def _lease(self, seq: int, indices=None, turn: Turn | None = None) -> Lease:
+        """Batch ``seq``'s lease, made once its permit is held."""
+        batch = [] if indices is None else self.spec.batch_indices(indices)
+        return Lease(seq, indices, batch, turn, permits=self._permits, ready=self.ready, shared=self.shared,
+                     inflight=self._inflight)
+
     def _turn(self, seq: int) -> Turn | None:
         """Batch ``seq``'s place in the queue of worker ``seq mod N`` (round-robin dispatch)."""
-        if not self._round_robin:
+        if not self.spec.round_robin:
             return None
         wid = seq % self.spec.num_workers
         turn = self._turns[wid] = Turn(wid, self._turns[wid])
         return turn
 
-    async def _batch(self, seq: int, indices, turn: Turn | None = None) -> None:
-        self._inflight.batches[seq] = indices if isinstance(indices, list) else [indices]
+    async def _batch(self, lease: Lease) -> None:
+        """Make the batch of ``lease`` and deliver what became of it; whatever happens, the
+        lease returns what the batch still holds."""
         try:
-            lesson = self._lesson
-            if lesson is not None and lesson.learning():
-                item = await lesson.run(self._make, seq, indices, turn, shares=self._decode.shares(indices))
-            else:
-                item = await self._make(seq, indices, turn)
-        except (WorkerCrashedError, TooManyErrorsError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - this batch fails, the epoch goes on
-            if self.pool is not None and self.pool.broken is not None:
-                raise  # no worker will serve this epoch again
-            item = Failure(forget_locals(exc))
+            try:
+                lesson = self._lesson
+                if lesson is not None and lesson.learning():
+                    item = await lesson.run(self._make, lease, shares=self._decode.shares(lease.indices))
+                else:
+                    item = await self._make(lease)
+            except (WorkerCrashedError, TooManyErrorsError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - this batch fails, the epoch goes on
+                if self.pool is not None and self.pool.broken is not None:
+                    raise  # no worker will serve this epoch again
+                item = Failure(forget_locals(exc))
+            lease.deliver(item)
         finally:
-            self._inflight.batches.pop(seq, None)
-            if turn is not None:
-                turn.sent()  # a batch that failed or sent nothing holds up no other
-        if item is SKIP:
-            self._permits.release()  # nothing for the consumer to take
-        self._put(seq, item)
+            lease.close()
 
-    async def _make(self, seq: int, indices, turn: Turn | None):
+    async def _make(self, lease: Lease):
         mode = self.spec.mode
-        if mode == "executor":
-            return await self._executor.make(seq, indices)
-        if mode == "read":
-            return await self._reads.read_only(indices)
-        if mode == "rows":
-            return await self._decode.rows(seq, indices, turn=turn)
-        return await self._decode.whole(seq, indices, turn)
+        if mode is Mode.EXECUTOR:
+            return await self._executor.make(lease.seq, lease.raw)
+        if mode is Mode.READ:
+            return await self._reads.read_only(lease.raw)
+        if mode is Mode.ROWS:
+            return await self._decode.rows(lease)
+        return await self._decode.whole(lease)
 
     # -- stage 4: hand-off ------------------------------------------------------------------
-    def _put(self, seq: int, item) -> None:
-        if self.ready.put(seq, item):
-            self._permits.release()  # handed to a waiting consumer, which owes no permit
-
-    def _deliver(self, batch, samples: int) -> Ready:
+    def _finish(self, batch, samples: int) -> Ready:
+        """A built batch as the consumer gets it: its device copy started, the CPU batch (and
+        so its slot) kept until the copy has read it."""
         if self.transfer is None:
             return Ready(batch=batch, samples=samples)
         out, event = self.transfer.start(batch)
-        hold = self._loop.create_task(_hold_until(event, batch))
-        self.shared.holds.add(hold)
-        hold.add_done_callback(self.shared.holds.discard)
+        # A thread waits on the copy's event (its synchronize() lets go of the GIL), so the
+        # slot goes back as soon as the copy has read it, without this loop polling the event.
+        copy = self._loop.run_in_executor(None, event.synchronize)
+        self._copies[copy] = batch
+        copy.add_done_callback(self._copies.pop)
         return Ready(batch=out, samples=samples, event=event)
-
-
-async def _hold_until(event, batch) -> None:
-    """Keep the CPU batch (and so its slot) alive until the copy out of it has finished."""
-    while not event.query():
-        await asyncio.sleep(0.0005)
-    del batch
 
 
 def _cancel_leftovers(loop: asyncio.AbstractEventLoop) -> None:

@@ -37,7 +37,7 @@ from torch.utils.data._utils.collate import default_collate
 from aioload._errors import BlockingReadWarning, SKIP_HINT, unpack_exception
 from aioload._reads import stall_message
 from aioload._workers.messages import TaskError
-from aioload._engine.executor_process import (FORGET_HOLD, NEED_DATASET, Job, SharedDataset, _trainers, batch_bytes,
+from aioload._engine.executor_process import (FORGET_HOLD, NEED_DATASET, Job, SharedDataset, TRAINERS, batch_bytes,
                                               forget, forget_and_hold, inward, run_job)
 from aioload._engine.executor_process import KEEP_DATASETS, known_tokens  # noqa: F401 - named here in docs and tests
 
@@ -157,7 +157,7 @@ class ExecutorStage:
         self.batches = 0
         self.dataset_sends = 0  # times the pickled dataset was sent (a plugin counts once)
         self.dataset_bytes = 0  # its bytes, each time
-        _trainers.add(os.getpid())
+        TRAINERS.add(os.getpid())
         self._set(collate_fn, worker_init_fn)
 
     def _set(self, collate_fn, worker_init_fn) -> None:
@@ -370,10 +370,12 @@ class ExecutorEpoch:
         from aioload._handoff.device import pin_batch
         from aioload._engine.ready import SKIP
 
+        from aioload._engine.spec import Reads
+
         stage, reads = self.stage, self.reads
         spec = reads.spec
-        batch_indices = reads.batch_indices(indices)
-        if stage.split and not stage.read_here:
+        batch_indices = spec.batch_indices(indices)
+        if spec.reads is Reads.ENGINE:
             items = await reads.items(batch_indices)  # the trainer reads; the bytes go along
         else:
             items = [(index, None) for index in batch_indices]
@@ -382,7 +384,7 @@ class ExecutorEpoch:
         await stage.prepare(self.base_seed)
         # A process seeds each sample's draws from (epoch seed, index), as the built-in workers do
         # with seed=; threads share the trainer's generators, which must not be reseeded.
-        job = Job(stage.token, items, stage.split and stage.read_here, self.base_seed, not stage.threads,
+        job = Job(stage.token, items, spec.reads is Reads.WORKERS, self.base_seed, not stage.threads,
                   self.budget.skip, not stage.threads, auto_collation=spec.auto_collation,
                   read_timeout=spec.read_timeout, io_limit=spec.io_concurrency, where=stage.where)
         where = reads.inflight.samples

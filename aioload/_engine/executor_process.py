@@ -191,7 +191,7 @@ _known: collections.OrderedDict[str, _Known] = collections.OrderedDict()
 _forgotten: collections.deque = collections.deque(maxlen=256)  # closed loaders: never kept again
 _known_lock = threading.Lock()
 _init_failures: dict[str, bytes] = {}  # token -> what its worker_init_fn raised here
-_trainers: set[int] = set()  # the pids of processes that made loaders (tasks must not reseed them)
+TRAINERS: set[int] = set()  # the pids of processes that made loaders (tasks must not reseed them)
 
 
 def install(token: str, blob: bytes, init: tuple | None) -> _Known | None:
@@ -402,7 +402,7 @@ def run_job(job: Job, blob: bytes | None = None, local: tuple | None = None, non
     :class:`SharedDataset`'s ``(path, processes)``). With ``on_error="raise"`` the first failure
     ends the task."""
     started, cpu_started = time.perf_counter(), time.thread_time()
-    if job.per_sample and os.getpid() in _trainers:
+    if job.per_sample and os.getpid() in TRAINERS:
         return _failure(job, "seed", ValueError(
             f"seed= seeds each sample's draws through the process's global generators, and {job.where} runs "
             "its tasks inside the training process (a Dask LocalCluster(processes=False)?), whose generators "

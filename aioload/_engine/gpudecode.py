@@ -37,7 +37,7 @@ import warnings
 import torch
 from torch.utils.data._utils.collate import default_collate
 
-from aioload._engine.budget import ErrorBudget
+from aioload._engine.budget import AllSkipped, ErrorBudget
 from aioload._seeding import sample_seed, seed_everything
 from aioload._handoff.tree import map_tensors
 
@@ -265,9 +265,7 @@ class DecodeTransfer:
                 image = images[pos]
                 out.append(transform(image) if transform is not None else image)
         if not out:
-            from aioload._inprocess import _AllSkipped
-
-            raise _AllSkipped
+            raise AllSkipped
         stacked = self._stack(out, [indices[p] for p in keep])
         if targets is None:
             return stacked

@@ -7,27 +7,24 @@ import asyncio
 import itertools
 from typing import Callable
 
-from aioload._workers.messages import Stopped
 from aioload._engine.ready import SKIP
 from aioload._engine.spec import Failure
+from aioload._workers.messages import IterWork, Stopped
 
 
 class IterableStage:
     """One IterableDataset epoch. Given: the epoch's ``session`` (the pool), ``permits`` (one
-    per batch between here and the consumer), the ``ready`` queue, the ``decode`` stage (slots
-    and assembly), the ``lesson`` (the layout learned from the first batches), ``inflight``
-    (open batches, for the stuck report) and ``put`` (a finished batch to the ready queue,
-    returning its permit when the consumer was already waiting)."""
+    per batch between here and the consumer), the ``decode`` stage (slots and assembly), the
+    ``lesson`` (the layout learned from the first batches) and ``lease`` (a batch's
+    :class:`~aioload._engine.lease.Lease`, made for a sequence number once its permit is held)."""
 
-    def __init__(self, spec, session, permits, ready, decode, lesson, inflight, put: Callable):
+    def __init__(self, spec, session, permits, decode, lesson, lease: Callable):
         self.spec = spec
         self.session = session
         self.permits = permits
-        self.ready = ready
         self.decode = decode
         self.lesson = lesson
-        self.inflight = inflight
-        self.put = put
+        self.lease = lease
         self.active = [True] * spec.num_workers  # False once a worker's copy has run out
 
     async def run(self, tg: asyncio.TaskGroup) -> int:
@@ -45,9 +42,9 @@ class IterableStage:
                 if active[wid]:
                     break
             else:
-                self.permits.release()
+                self.permits.release()  # every worker ran out while this permit was awaited
                 break
-            task = tg.create_task(self._batch(seq, wid))
+            task = tg.create_task(self._batch(self.lease(seq), wid))
             outstanding.add(task)
             task.add_done_callback(outstanding.discard)
             seq += 1
@@ -57,42 +54,32 @@ class IterableStage:
             await asyncio.wait(outstanding)
         return seq
 
-    def _nothing(self, seq: int) -> None:
-        """Batch ``seq`` yields nothing: the consumer skips it and its permit comes back."""
-        self.ready.put(seq, SKIP)
-        self.permits.release()
+    async def _batch(self, lease, wid: int) -> None:
+        try:
+            item = SKIP  # a worker that ran out yields nothing: the consumer skips the number
+            if self.active[wid]:
+                try:
+                    item = await self.lesson.run(self._make, lease, wid)
+                except Exception as exc:  # noqa: BLE001 - this batch fails, the epoch goes on
+                    if self.session.pool.broken is not None:
+                        raise
+                    item = Failure(exc)
+            lease.deliver(item)
+        finally:
+            lease.close()
 
-    async def _batch(self, seq: int, wid: int) -> None:
-        if not self.active[wid]:
-            self._nothing(seq)
-            return
-        await self.lesson.run(self._batch_in, seq, wid)
-
-    async def _batch_in(self, seq: int, wid: int) -> None:
+    async def _make(self, lease, wid: int):
         decode = self.decode
-        slot = decode.slot()
+        slot = lease.hold(decode.slot())
         desc = None
         if slot is not None:
             layout = slot.layout
             desc = (slot.id, layout.describe(), (layout.fixed_bytes, layout.size))
-        self.inflight.batches[seq] = []
-        try:
-            reply = await self.session.submit("iter", desc, None, [], seq, worker=wid)
-        except BaseException:
-            decode.release_slot(slot)
-            raise
-        finally:
-            self.inflight.batches.pop(seq, None)
+        reply = await self.session.submit(IterWork(), desc, [], lease.seq, worker=wid)
         if isinstance(reply, Stopped):
             self.active[wid] = False
-            decode.release_slot(slot)
-            self._nothing(seq)
-            return
-        try:
-            decode.note_reply(reply, 1)
-            if reply.errors:
-                decode.raise_first(decode.task_errors(reply))
-            item = decode.assemble(slot, [(0, reply.payloads[0])], rows_mode=False, samples=0)
-        except Exception as exc:  # noqa: BLE001
-            item = Failure(exc)
-        self.put(seq, item)
+            return SKIP
+        decode.note_reply(reply, 1)
+        if reply.errors:
+            decode.raise_first(decode.task_errors(reply))
+        return decode.assemble_whole(lease, reply, samples=0)

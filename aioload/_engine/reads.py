@@ -4,11 +4,10 @@ each within ``read_timeout``, every step timed for the stall warning."""
 
 from __future__ import annotations
 
-from aioload._workers import wire as _wire
 from aioload._engine.budget import where
+from aioload._engine.spec import Ready, Reads
 from aioload._errors import BlockingReadWarning
-from aioload._reads import BatchReads, FailedRead, StallMeter, Watch, stall_message
-from aioload._engine.spec import Ready
+from aioload._reads import BatchReads, FailedRead, StallMeter, Watch, stall_message, unpicklable
 
 
 class _EngineWatch(Watch):
@@ -40,7 +39,7 @@ class _EngineWatch(Watch):
 
 
 class ReadStage:
-    """One epoch's reads. ``io`` (a :class:`~aioload._engine.limiter.Limiter`) bounds the reads in
+    """One epoch's reads. ``io`` (a :class:`~aioload._limiter.Limiter`) bounds the reads in
     flight; each read says where it is in ``inflight.samples`` (for the stuck report);
     ``pickled``: what ``read`` returns goes to a worker process, so it must pickle."""
 
@@ -51,9 +50,6 @@ class ReadStage:
         self.io = io
         self.inflight = inflight
         self.pickled = pickled
-        # The workers are sent bare indices (they pair them with None): a dataset without a
-        # read stage is loaded by __getitem__, and one marked read_in_workers reads there.
-        self.bare = not spec.split or spec.read_in_workers
         self.core = BatchReads(spec.dataset, bound=io, read_timeout=spec.read_timeout,
                                watch=_EngineWatch(inflight, stats, spec.io_concurrency), meter=StallMeter())
 
@@ -62,11 +58,11 @@ class ReadStage:
         return where(self.spec.describe, index)
 
     async def items(self, indices) -> list:
-        """``(index, raw)`` pairs; the indices themselves when the dataset has no read stage
-        or its workers read (``bare``: the worker pairs them with ``None``; a plain list
-        pickles at a third of the cost). With ``on_error="skip"`` failed reads are left out and
-        recorded."""
-        if self.bare:
+        """``(index, raw)`` pairs; the indices themselves unless the reads run here
+        (``Spec.reads``: without a read stage the worker pairs them with ``None``, and a worker
+        that reads pairs them with what it read; a plain list pickles at a third of the
+        cost). With ``on_error="skip"`` failed reads are left out and recorded."""
+        if self.spec.reads is not Reads.ENGINE:
             return indices
         core = self.core
         results, _, _ = await core.read(indices)
@@ -80,7 +76,7 @@ class ReadStage:
             if isinstance(result, FailedRead):
                 self.budget.failed([index], result.error)
                 continue
-            if pickled and (bad := _wire.unpicklable(result)) is not None:
+            if pickled and (bad := unpicklable(result)) is not None:
                 self.budget.failed([index], self._unpicklable(index, result, *bad))
                 continue
             items.append((index, result))
@@ -100,14 +96,9 @@ class ReadStage:
         exc.add_note(f"while reading dataset index {index}{self.where(index)}")
         return exc
 
-    def batch_indices(self, indices) -> list:
-        """The indices of one batch: a batch sampler's list (or tuple, or tensor), or, without
-        automatic batching, the one index the sampler gave (which may itself be a list)."""
-        return list(indices) if self.spec.auto_collation else [indices]
-
     async def read_only(self, indices) -> Ready:
         """``num_workers=0`` with a split dataset: the batch's reads, decoded by the consumer."""
-        items = await self.items(self.batch_indices(indices))
+        items = await self.items(self.spec.batch_indices(indices))
         return Ready(batch=indices, samples=len(items), raw=items)
 
 

@@ -188,10 +188,12 @@ class ReadyQueue:
         with self._cond:
             return self._try()
 
-    def get(self, timeout: float | None = None, poll: float = 0.1):
+    def get(self, timeout: float | None = None):
         """``(item, owed)`` for the next item (see :meth:`get_nowait`); raises
         :class:`EndOfEpoch`, the engine's fatal error, or ``TimeoutError`` after ``timeout``
-        seconds. Waits in short steps so that Ctrl-C reaches the caller promptly."""
+        seconds. Sleeps on the condition until the engine puts something (``put``, ``finish``
+        and ``fail`` notify it): no timer runs meanwhile. Ctrl-C still reaches the caller at
+        once: a lock wait is interrupted by signals (Python 3.2 and later, on POSIX)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             try:
@@ -199,12 +201,11 @@ class ReadyQueue:
                     found, item, owed = self._try()
                     if found:
                         return item, owed
-                    wait = poll
+                    wait = None
                     if deadline is not None:
-                        left = deadline - time.monotonic()
-                        if left <= 0:
+                        wait = deadline - time.monotonic()
+                        if wait <= 0:
                             raise TimeoutError
-                        wait = min(wait, left)
                     self._hungry = True
                     self._cond.wait(wait)
             finally:

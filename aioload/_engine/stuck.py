@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from aioload._engine.budget import where
+from aioload._engine.spec import Mode, Reads
 from aioload._workers.worker import COLLATING
 
 
@@ -72,11 +73,11 @@ class StuckReport:
 
     def stage(self) -> str:
         """What a worker does with a sample of this epoch."""
-        if self.spec.mode == "iter":
+        if self.spec.mode is Mode.ITER:
             return "__iter__"
-        if not self.spec.split:
+        if self.spec.reads is Reads.NONE:
             return "__getitem__"
-        return "read or decode" if self.spec.read_in_workers else "decode"
+        return "read or decode" if self.spec.reads is Reads.WORKERS else "decode"
 
     def describe(self, stuck: list[tuple[Any, str]]) -> str:
         return describe_stuck(stuck, self.spec.describe)

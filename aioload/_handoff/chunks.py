@@ -1,7 +1,8 @@
 """Chunk mode: a worker collates a whole chunk of a batch straight into its slot rows.
 
 Used on both sides: :class:`ChunkWriter` in the worker, :func:`join_chunks` in the parent (and
-:func:`move_chunk_into_slot` there for the sample that taught the layout).
+:func:`move_chunk_into_slot` there for the sample that taught the layout, and
+:func:`chunk_samples` for a batch whose parts do not join).
 
 With default collation and samples made of tensors, numeric arrays, numbers and strings
 (nested in tuples, lists, dicts, namedtuples), a worker runs torch's own ``collate`` over its
@@ -50,15 +51,16 @@ class _Numbers:
     ``default_collate`` gives such a column the dtype of the whole batch (float64 when its
     first value is a float, else what ``torch.tensor`` infers from every value), which one
     chunk cannot see: ``first`` is the kind of the chunk's first value and ``kinds`` every
-    kind it held ("b" bool, "i" int, "f" float); the parent decides when it joins."""
+    kind it held ("b" bool, "i" int, "f" float); the parent decides when it joins. ``each``
+    is every value's kind, kept only when they differ (to give each value back as it was)."""
 
-    __slots__ = ("inner", "first", "kinds")
+    __slots__ = ("inner", "first", "kinds", "each")
 
-    def __init__(self, inner, first: str, kinds: str):
-        self.inner, self.first, self.kinds = inner, first, kinds
+    def __init__(self, inner, first: str, kinds: str, each: str | None = None):
+        self.inner, self.first, self.kinds, self.each = inner, first, kinds, each
 
     def __reduce__(self):
-        return (_Numbers, (self.inner, self.first, self.kinds))
+        return (_Numbers, (self.inner, self.first, self.kinds, self.each))
 
 
 def _kind_of(t: type) -> str | None:
@@ -146,7 +148,8 @@ class ChunkWriter:
 
     def _number(self, batch, *, collate_fn_map=None):
         kinds = set()
-        for t in set(map(type, batch)):
+        types = set(map(type, batch))
+        for t in types:
             kind = _kind_of(t)
             if kind is None:  # not a number after all: torch's own function raises its error
                 return self._put(default_collate_fn_map[float if type(batch[0]) is float else int](batch))
@@ -156,7 +159,8 @@ class ChunkWriter:
         inner = self._store_numbers(batch, lossless)
         if inner is None:
             inner = self._put(torch.tensor(batch, dtype=lossless))
-        return _Numbers(inner, _kind_of(type(batch[0])), kinds)
+        each = "".join(_kind_of(type(value)) for value in batch) if len(kinds) > 1 else None
+        return _Numbers(inner, _kind_of(type(batch[0])), kinds, each)
 
     def _store_numbers(self, batch, dtype: torch.dtype):
         """The values straight into their column of the slot: one numpy store, a sixth of the
@@ -236,6 +240,38 @@ def _join(view, spans, contiguous: bool, *nodes):
     raise TypeError(f"cannot join chunks holding {kind.__name__}")
 
 
+_PYTHON = {"b": bool, "i": int, "f": float}
+
+
+def chunk_samples(skeleton, view, row0: int, count: int) -> list:
+    """The ``count`` samples of a chunk (rows ``row0 ..``), each as its sample held it: its
+    tensors (views of the slot), numbers and strings, in the containers ``collate`` made of
+    them (a tuple comes back as a list, as ``collate`` makes it). For a batch whose chunks do
+    not join, or that also holds rows: the parent collates every sample again, so that the
+    batch and its error are ``default_collate``'s over the whole batch."""
+    columns: dict = {}
+
+    def column(k: int):
+        if k not in columns:
+            columns[k] = view.rows(k, row0, count)
+        return columns[k]
+
+    def value(node, i: int):
+        kind = type(node)
+        if kind is Column:
+            return column(node.k)[i]
+        if kind is Inline:
+            return node.value[i]
+        if kind is _Numbers:
+            number = value(node.inner, i).item()
+            return _PYTHON[node.each[i] if node.each is not None else node.kinds[0]](number)
+        if kind is _Seq:
+            return node.value[i]
+        raise TypeError(f"cannot take rows from a chunk holding {kind.__name__}")
+
+    return [map_leaves(functools.partial(value, i=i), skeleton) for i in range(count)]
+
+
 def load_chunk(payload: bytes):
     return pickle.loads(payload[len(CHUNK_MAGIC):])
 
@@ -253,5 +289,5 @@ def _move(writer: ChunkWriter, node):
     if kind is Inline:
         return writer._put(node.value)
     if kind is _Numbers:
-        return _Numbers(_move(writer, node.inner), node.first, node.kinds)
+        return _Numbers(_move(writer, node.inner), node.first, node.kinds, node.each)
     return node

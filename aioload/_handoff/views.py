@@ -5,7 +5,8 @@ and the slot's memory:
 
 * rows mode: :func:`load_rows` unpickles the rows' skeletons and :func:`collate_rows` runs
   torch's own ``collate`` over them, with one addition: a column of leaves that fills rows
-  ``0..n-1`` becomes a view of the slot instead of a ``torch.stack`` copy;
+  ``0..n-1`` becomes a view of the slot instead of a ``torch.stack`` copy (and
+  :func:`row_samples` gives each row back as its sample held it);
 * a whole batch: :func:`load_batch` unpickles it with each leaf put back from its place.
 
 Guarantees: the structure of the result, and every error, is ``default_collate``'s (or the
@@ -15,6 +16,7 @@ the slot goes back to its pool only once the last of them is gone.
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import weakref
@@ -25,6 +27,7 @@ import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from aioload._handoff.layout import Column, Inline, Layout, LeafSpec, Overflow
+from aioload._handoff.tree import map_leaves
 
 
 class SlotView:
@@ -78,12 +81,13 @@ class SlotView:
 
 
 def load_rows(rows: list[tuple[int, bytes]]) -> list:
-    """Skeletons for ``(row, payload)`` pairs (``b""`` repeats the previous payload). When
-    every payload is the same, one skeleton stands for every row."""
+    """Skeletons for ``(row, payload)`` pairs. Rows with the same payload as the row before
+    share one skeleton: it is unpickled once (a worker's reply names each distinct payload
+    once, and uniform rows all name the first)."""
     samples = []
     last_payload = last = None
     for _, payload in rows:
-        if payload and payload is not last_payload and payload != last_payload:
+        if payload is not last_payload and payload != last_payload:
             last_payload = payload
             last = pickle.loads(payload)
         samples.append(last)
@@ -104,6 +108,12 @@ def collate_rows(samples: list, rows: list[int], view: SlotView | None):
     fn_map = dict(default_collate_fn_map)
     fn_map[Column] = fn_map[Overflow] = fn_map[Inline] = leaf_column
     return collate(samples, collate_fn_map=fn_map)
+
+
+def row_samples(skeletons: list, rows: list[int], view: SlotView | None) -> list:
+    """Each row's sample as the worker's sample held it (its leaves taken from the slot)."""
+    return [map_leaves(functools.partial(_value, row=row, view=view), skeleton, exact=True)
+            for skeleton, row in zip(skeletons, rows)]
 
 
 def _value(leaf, row: int, view: SlotView | None):

@@ -24,7 +24,7 @@ import torch
 from aioload._dataset import NOT_READY, Dataset
 from aioload._media import clips as _clips
 from aioload._media import decoders as _decoders
-from aioload._media.video import _labels
+from aioload._media.video import labels_of
 from aioload._storage import scope as _scope
 from aioload._storage.storage import Storage, locate
 
@@ -145,7 +145,7 @@ class AudioFiles(Dataset):
         self.storage = storage if storage is not None else Storage()
         self._paths = np.array([os.fsencode(p) for p in locations], dtype=np.bytes_)
         self._local = np.array([locate(p)[0] == "local" for p in locations], dtype=bool)
-        self._targets = _labels(labels, len(locations))
+        self._targets = labels_of(labels, len(locations))
 
     def __len__(self) -> int:
         return len(self._paths) * self.crops_per_file

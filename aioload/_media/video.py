@@ -265,7 +265,7 @@ def _checked_metadata(metadata, videos: int) -> np.ndarray:
     return info
 
 
-def _labels(labels, count: int) -> np.ndarray | None:
+def labels_of(labels, count: int) -> np.ndarray | None:
     if labels is None:
         return None
     targets = np.asarray(labels)
@@ -312,7 +312,7 @@ class VideoFiles(_Videos):
             raise TypeError("paths_or_urls must be a sequence of paths or URLs, not a single one: "
                             "wrap it in a list, or use aioload.VideoFolder for a folder")
         locations = [os.fspath(p) for p in paths_or_urls]
-        self._setup(locations, _labels(labels, len(locations)), frames_per_clip, clips, clips_per_video, frame_step,
+        self._setup(locations, labels_of(labels, len(locations)), frames_per_clip, clips, clips_per_video, frame_step,
                     frame_rate, step_between_clips, transform, target_transform, storage, seek_mode, metadata,
                     whole_file_bytes)
 

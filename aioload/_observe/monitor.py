@@ -45,10 +45,10 @@ def check_options(log_every, progress) -> None:
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, got {progress!r}")
     if progress:
-        _tqdm()
+        tqdm_class()
 
 
-def _tqdm():
+def tqdm_class():
     try:
         from tqdm import tqdm
     except ImportError as exc:
@@ -130,7 +130,7 @@ class Monitor:
         if self._progress:
             stream = sys.stderr
             if draws_bars(stream):
-                self._bar = _tqdm()(total=total, desc=f"epoch {epoch}", unit="batch", dynamic_ncols=True, file=stream)
+                self._bar = tqdm_class()(total=total, desc=f"epoch {epoch}", unit="batch", dynamic_ncols=True, file=stream)
             else:
                 self._bar = ProgressLines(stream, total, f"epoch {epoch}")
         if self._log_every is not None and self._last_log is None:

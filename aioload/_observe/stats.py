@@ -56,8 +56,8 @@ SPARE_CPUS = 0.75
 
 CATEGORIES = (
     "no-batches", "starting", "not-data-bound", "in-process", "decode-bound", "too-many-workers",
-    "cpu-contention", "decode-blocked", "shard-bound", "read-bound", "executor-saturated", "executor-underused",
-    "unexplained",
+    "cpu-contention", "decode-blocked", "shard-bound", "read-bound", "read-latency-bound", "executor-saturated",
+    "executor-underused", "unexplained",
 )
 """Every value of :attr:`LoaderStats.verdict_category` (see ``docs/stats.md``)."""
 
@@ -141,11 +141,23 @@ class LoaderStats:
     decode_cpu_s: float = field(default=0.0, metadata=_stat(
         COUNTER, "CPU time of the same work", "s", "recorder"))
     reads_in_flight: int = field(default=0, metadata=_stat(
-        GAUGE, "reads running right now", "reads", "recorder"))
+        GAUGE, "reads running right now (on the event loop)", "reads", "recorder"))
+    read_wait_s: float = field(default=0.0, metadata=_stat(
+        COUNTER, "where the workers read: seconds their decoding waited for its task's reads, summed over "
+                 "workers", "s", "recorder"))
+    read_limited_s: float = field(default=0.0, metadata=_stat(
+        COUNTER, "the part of `read_wait_s` during which reads were queued behind the worker's reads-in-flight "
+                 "limit", "s", "recorder"))
     queue_occupancy: int = field(default=0, metadata=_stat(
         GAUGE, "finished batches waiting in the ready queue right now", "batches", "loader"))
     io_concurrency: int = field(default=0, metadata=_stat(
-        GAUGE, "the reads-in-flight limit in force now (as tuned so far, with `\"auto\"`)", "reads", "loader"))
+        GAUGE, "the reads-in-flight limit in force now (as tuned so far, with `\"auto\"`; where the workers "
+               "read, their limits together)", "reads", "loader"))
+    io_auto: bool = field(default=False, metadata=_stat(
+        GAUGE, "whether `io_concurrency` is `\"auto\"`", "", "loader"))
+    io_ceiling: int = field(default=0, metadata=_stat(
+        GAUGE, "how far `io_concurrency` may go (`\"auto\"`: its bound; else the limit itself)", "reads",
+        "loader"))
     queue_depth: int = field(default=0, metadata=_stat(
         GAUGE, "the ready-queue limit in force now (as tuned so far, with `\"auto\"`)", "batches", "loader"))
     num_workers: int = field(default=0, metadata=_stat(
@@ -240,6 +252,11 @@ class LoaderStats:
         DERIVED, "`decode_s / (elapsed_s * num_workers)`: the share of the workers' time spent decoding "
                  "(start-up included in `elapsed_s`, so short runs read low)", "",
         formula=lambda s: (min(1.0, s.decode_s / (s.elapsed_s * max(1, s.num_workers)))
+                           if s.elapsed_s > 0 else 0.0)))
+    read_wait_share: float = field(init=False, metadata=_stat(
+        DERIVED, "`read_wait_s / (elapsed_s * num_workers)`: the share of the workers' time their decoding "
+                 "stood waiting for reads", "",
+        formula=lambda s: (min(1.0, s.read_wait_s / (s.elapsed_s * max(1, s.num_workers)))
                            if s.elapsed_s > 0 else 0.0)))
     decode_cpu_share: float = field(init=False, metadata=_stat(
         DERIVED, "`decode_cpu_s / decode_s`: near 100% for CPU-bound decoding on free cores; low when workers "
@@ -343,11 +360,49 @@ def diagnose(s: LoaderStats) -> tuple[str, str]:
     if s.io_concurrency and s.mean_reads_in_flight >= SATURATED * s.io_concurrency:
         return "read-bound", head + (f"reads are saturated ({s.mean_reads_in_flight:.0f} of {s.io_concurrency} in "
                                      f"flight, p50 {s.read_p50_ms:.1f} ms), raise io_concurrency")
+    worker_reads = _worker_read_bound(s)
+    if worker_reads is not None:
+        category, text = worker_reads
+        return category, head + text
     text = (f"neither reads ({s.mean_reads_in_flight:.0f} of {s.io_concurrency} in flight) nor decode "
             f"({s.decode_busy:.0%} busy) is saturated")
     if s.cpu_window_s > 0 and s.others_cpus >= OTHERS_CPUS:
         text += f"; other programs used {s.others_cpus:.2f} CPUs ({s.cpu_evidence})"
     return "unexplained", head + text + ": no setting is advised from these figures"
+
+
+READ_WAITING = 0.1
+"""Where the workers read, their decoding waiting for reads this share of their time or more
+makes the reads the limit."""
+
+LIMIT_BINDS = 0.5
+"""... the reads-in-flight limit, when reads were queued behind it this share of that wait."""
+
+
+def _worker_read_bound(s: LoaderStats) -> tuple[str, str] | None:
+    """Where the workers read their samples: the verdict when their decoding waited for
+    reads, naming the reads-in-flight limit when it held the reads back."""
+    if s.read_wait_share < READ_WAITING:
+        return None
+    waited = (f"the workers' decoding waited for its reads {s.read_wait_share:.0%} of the time "
+              f"(read p50 {s.read_p50_ms:.1f} ms")
+    per_worker = -(-s.io_concurrency // max(1, s.num_workers))
+    if s.read_limited_s >= LIMIT_BINDS * s.read_wait_s:
+        held = f"reads queued behind the reads-in-flight limit {s.read_limited_s / s.read_wait_s:.0%} of that wait"
+        if s.io_auto and s.io_concurrency >= s.io_ceiling:
+            fix = (f"io_concurrency='auto' has reached its bound ({s.io_ceiling}, {per_worker} per worker): "
+                   "the storage needs more reads in flight than that; set io_concurrency above it")
+        elif s.io_auto:
+            fix = (f"io_concurrency='auto' is raising the limit ({s.io_concurrency} now, {per_worker} per worker); "
+                   "a longer run settles it")
+        else:
+            fix = (f"the limit is io_concurrency={s.io_concurrency} ({per_worker} per worker): raise it, or use "
+                   "io_concurrency='auto'")
+        return "read-bound", f"{waited}, {held}): {fix}"
+    return "read-latency-bound", (
+        f"{waited}; reads below the reads-in-flight limit of {s.io_concurrency}, {per_worker} per worker): each "
+        "worker reads the samples of the tasks it holds (prefetch_factor of them), and the storage's latency is "
+        "longer than decoding one task: raise prefetch_factor so that each worker reads further ahead")
 
 
 SHARD_WAITING = 1.0
@@ -463,7 +518,9 @@ def format_stats(stats: LoaderStats) -> str:
                     f"({s.wait_s:.2f} s; first batches took {s.first_batch_s:.2f} s)"),
         ("reads", f"{s.reads} ({_bytes(s.bytes_read)} on the event loop), p50 {s.read_p50_ms:.2f} ms, "
                   f"p99 {s.read_p99_ms:.2f} ms, {s.mean_reads_in_flight:.1f} in flight on average, "
-                  f"{s.reads_in_flight} now, limit {s.io_concurrency}"),
+                  f"{s.reads_in_flight} now, limit {s.io_concurrency}{' (auto)' if s.io_auto else ''}"
+                  + (f"; the workers' decoding waited for reads {s.read_wait_share:.0%} of the time, "
+                     f"{s.read_limited_s / s.read_wait_s:.0%} of that at the limit" if s.read_wait_s > 0 else "")),
         ("decode", f"{s.decode_ms_per_sample:.3f} ms/sample, {s.num_workers} workers {s.decode_busy:.0%} busy, "
                    f"on a CPU {s.decode_cpu_share:.0%} of that time"),
         *([("shards", _shard_row(s))] if s.shard_mode else []),
@@ -642,6 +699,7 @@ class StatsRecorder:
             for name, default in _RECORDED.items():
                 setattr(self, name, default)
             self.skipped: list = []  # the first SKIPPED_KEPT indices
+            self.read_limits: dict[int, int] = {}  # where the workers read: each one's limit, by worker id
             self._latencies: list[float] = []
             self._ring_pos = 0
             self._cpu = CpuWindow(lambda: self.worker_pids())
@@ -670,14 +728,29 @@ class StatsRecorder:
         self.read_s += seconds
         self._keep_latency(seconds)
 
-    def worker_reads(self, latencies: list[float], nbytes: int) -> None:
-        """Reads done in worker processes (not on the event loop, so never in flight here):
-        ``latencies`` in seconds, one per read, ``nbytes`` their bytes together."""
+    def worker_reads(self, latencies: list[float], nbytes: int, waited_s: float = 0.0,
+                     limited_s: float = 0.0) -> None:
+        """Reads done for one task in a worker process or an executor's (not on the event
+        loop, so never in flight here): ``latencies`` in seconds, one per read, ``nbytes``
+        their bytes together; ``waited_s``, how long the decoding waited for them, of which
+        ``limited_s`` with reads queued behind the reads-in-flight limit."""
         self.reads += len(latencies)
         self.bytes_read += nbytes
         self.read_s += sum(latencies)
+        self.read_wait_s += waited_s
+        self.read_limited_s += limited_s
         for seconds in latencies:
             self._keep_latency(seconds)
+
+    def read_limit(self, worker: int, limit: int) -> None:
+        """Worker ``worker`` reads with at most ``limit`` reads in flight now."""
+        self.read_limits[worker] = limit
+
+    def worker_read_limit(self) -> int | None:
+        """The workers' reads-in-flight limits together, as their last replies gave them
+        (``None`` before any reply of a worker that reads)."""
+        limits = self.read_limits
+        return sum(limits.values()) if limits else None
 
     def read_stalled(self, warning: Warning) -> None:
         """A ``read`` blocks its event loop: the consumer warns with ``warning``, once."""

@@ -2,7 +2,13 @@
 
 :class:`Controller` is the policy, a pure function of measurements (feed it :class:`Window`
 values and it moves its two numbers); :class:`Tuner` samples a running engine a few times a
-second and applies the controller's numbers to the engine's resizable limits.
+second and hands the controller's numbers to the engine, which applies them to its limits.
+Neither knows the engine: what they need of it (the bound on batches in flight, the size of
+a slot, where to apply a change) is given to them.
+
+Where the workers read their samples, ``io_concurrency="auto"`` is not tuned here: each
+worker adapts its own reads in flight (:func:`aioload._reads.next_limit`), and only
+``queue_depth`` is this tuner's.
 
 The policy, in words:
 
@@ -24,9 +30,9 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
-from aioload._workers.pool import batches_in_flight
-from aioload._engine.spec import resize_permits
+from aioload._reads import MAX_IO, START_IO
 
 TICK_S = 0.25
 """How often the tuner samples the pipeline."""
@@ -37,12 +43,10 @@ MAX_WINDOW_S = 4.0
 """A window closes after ``MIN_WINDOW_S`` once it saw ``MIN_BATCHES`` batches, or after
 ``MAX_WINDOW_S`` whatever it saw."""
 
-START_IO = 64
-"""Where ``io_concurrency="auto"`` starts: the fixed default. Limits only grow from there (the
-memory budget aside), so "auto" never holds fewer reads in flight than the default would."""
 START_DEPTH = 2
-MAX_IO = 1024
 MAX_DEPTH = 16
+# START_IO (where io_concurrency="auto" starts: limits only grow from there, the memory budget
+# aside) and MAX_IO are aioload._reads', shared with the workers' own policy.
 
 WAITING = 0.02
 """The consumer waited more than this share of a window: the pipeline is short of something."""
@@ -86,19 +90,24 @@ class Window:
 
 
 class Controller:
-    """Moves ``io`` and ``depth`` from measured windows; a knob given as an int stays fixed."""
+    """Moves ``io`` and ``depth`` from measured windows; a knob given as an int stays fixed.
 
-    def __init__(self, *, batch_size: int, num_workers: int, io: int | None = None,
-                 depth: int | None = None, memory_budget: int | None = None, start_io: int = START_IO,
-                 start_depth: int = START_DEPTH, max_io: int = MAX_IO, max_depth: int = MAX_DEPTH,
-                 reads: bool = True):
+    ``in_flight(io, quick)`` is the bound on batches being made for ``io`` reads in flight
+    (the loader's :class:`~aioload._engine.spec.BatchBound`, given each epoch by
+    :meth:`follow`); ``depth`` ready batches come on top."""
+
+    def __init__(self, *, batch_size: int, num_workers: int, in_flight: Callable[[int, bool], int],
+                 io: int | None = None, depth: int | None = None, memory_budget: int | None = None,
+                 start_io: int = START_IO, start_depth: int = START_DEPTH, max_io: int = MAX_IO,
+                 max_depth: int = MAX_DEPTH):
         self.batch_size = max(1, batch_size)
         self.num_workers = max(1, num_workers)
+        self.in_flight = in_flight
+        self.io_given = io is not None
         self.tune_io, self.tune_depth = io is None, depth is None
         self.io = start_io if io is None else io
         self.depth = start_depth if depth is None else depth
         self.quick = False  # batches are quick: more of them in flight (set by the engine)
-        self.reads = reads  # the dataset has a read stage, which io reads in flight keep busy
         self._min_depth = self.depth
         self.memory_budget = default_memory_budget() if memory_budget is None else memory_budget
         self._io_ceiling = max_io
@@ -109,13 +118,20 @@ class Controller:
         self.windows = 0
         self.quiet = 0  # windows since the last change
 
+    def follow(self, in_flight: Callable[[int, bool], int], tune_io: bool) -> None:
+        """An epoch begins with this bound on batches in flight; ``tune_io``: its reads run on
+        the engine's loop, whose limit is this controller's to move (where the workers read,
+        each adapts its own)."""
+        self.in_flight = in_flight
+        self.tune_io = tune_io and not self.io_given
+
     @property
     def permits(self) -> int:
         """Batches in flight: enough to keep ``io`` reads busy, plus ``depth`` ready ones."""
         return self._permits(self.io, self.depth)
 
     def _permits(self, io: int, depth: int) -> int:
-        return batches_in_flight(self.num_workers, io, self.batch_size, reads=self.reads, quick=self.quick) + depth
+        return self.in_flight(io, self.quick) + depth
 
     @property
     def settled(self) -> bool:
@@ -176,7 +192,8 @@ class Controller:
             return False
         rate = w.rate
         in_flight = w.read_s / w.seconds
-        reads_saturated = in_flight >= READS_SATURATED * self.io
+        # (where the workers read, their reads are theirs to adapt: not a reason to hold depth)
+        reads_saturated = in_flight >= READS_SATURATED * self.io and (self.tune_io or self.io_given)
         if reads_saturated:
             if not self.tune_io or self.io >= self._io_ceiling:
                 return False
@@ -203,9 +220,10 @@ class Tuner:
     def __init__(self, controller: Controller):
         self.controller = controller
 
-    async def run(self, stats, io, permits, shared) -> None:
-        """Sample ``stats`` (a StatsRecorder) until cancelled; apply the controller's numbers
-        to the ``io`` and ``permits`` limiters and to the slot pool's free-list target."""
+    async def run(self, stats, apply: Callable[[int, int], None], slot_bytes: Callable[[], int]) -> None:
+        """Sample ``stats`` (a StatsRecorder) until cancelled; each change of the controller's
+        numbers goes to ``apply(io, permits)``; ``slot_bytes()`` is one slot's size (for the
+        memory budget)."""
         while stats.first_batch_pending:  # the pipeline is still filling: nothing to learn
             await asyncio.sleep(TICK_S)
         start, base = time.perf_counter(), stats.totals()
@@ -216,25 +234,19 @@ class Tuner:
             batches = totals[0] - base[0]
             if seconds < MIN_WINDOW_S or (batches < MIN_BATCHES and seconds < MAX_WINDOW_S):
                 continue
-            window = _window(seconds, base, totals, self.controller.num_workers, shared)
+            window = _window(seconds, base, totals, self.controller.num_workers, slot_bytes())
             start, base = now, totals
             if self.controller.update(window):
-                self.apply(io, permits, shared)
-
-    def apply(self, io, permits, shared) -> None:
-        c = self.controller
-        io.set_limit(c.io)
-        resize_permits(permits, shared, c.permits)
+                apply(self.controller.io, self.controller.permits)
 
 
-def _window(seconds: float, base: tuple, totals: tuple, workers: int, shared) -> Window:
+def _window(seconds: float, base: tuple, totals: tuple, workers: int, slot_bytes: int) -> Window:
     d = [b - a for a, b in zip(base, totals, strict=True)]
     batches, wait_s, reads, read_s, bytes_read, decode_s, decoded = d
-    slots = getattr(shared, "slots", None)
     return Window(
         seconds=seconds, batches=batches, wait_fraction=min(1.0, wait_s / seconds), reads=reads,
         read_s=read_s, bytes_read=bytes_read, decode_busy=min(1.0, decode_s / (seconds * workers)),
-        slot_bytes=slots.layout.size if slots is not None else 0, decoded=decoded,
+        slot_bytes=slot_bytes, decoded=decoded,
     )
 
 
@@ -249,15 +261,15 @@ def check_knob(name: str, value) -> None:
 
 
 def make_tuner(io_concurrency, queue_depth, batch_size: int | None, num_workers: int,
-               default_depth: int = START_DEPTH, reads: bool = True) -> Tuner | None:
+               in_flight: Callable[[int, bool], int], default_depth: int = START_DEPTH) -> Tuner | None:
     """A tuner for a loader whose ``io_concurrency`` or ``queue_depth`` is ``"auto"``, else None.
-    Tuned knobs start from the fixed defaults (``default_depth`` is the loader's); ``reads``
-    says whether the dataset has a read stage."""
+    Tuned knobs start from the fixed defaults (``default_depth`` is the loader's);
+    ``in_flight`` is the bound on batches in flight until the first epoch says otherwise."""
     tune_io, tune_depth = is_auto(io_concurrency), is_auto(queue_depth)
     if not (tune_io or tune_depth):
         return None
     return Tuner(Controller(
-        batch_size=batch_size or 1, num_workers=num_workers,
+        batch_size=batch_size or 1, num_workers=num_workers, in_flight=in_flight,
         io=None if tune_io else io_concurrency, depth=None if tune_depth else queue_depth,
-        start_depth=default_depth, reads=reads,
+        start_depth=default_depth,
     ))

@@ -40,10 +40,10 @@ def _stats_text(stats) -> str:
 
 
 def _bars(description: str, total: int | None):
-    from aioload._observe.monitor import _tqdm
+    from aioload._observe.monitor import tqdm_class
 
     # disable=None: a bar on a terminal only; in a log or a pipe, the round's line says enough
-    return _tqdm()(total=total, desc=f"  {description}", unit="batch", leave=False, file=sys.stderr,
+    return tqdm_class()(total=total, desc=f"  {description}", unit="batch", leave=False, file=sys.stderr,
                    dynamic_ncols=True, disable=None)
 
 
@@ -312,9 +312,9 @@ def make_shards_command(args: argparse.Namespace) -> int:
     total = len(folder_samples(args.src, options)[1])
     bar = None
     if sys.stderr.isatty():  # a bar on a terminal; a log or a pipe gets the summary alone
-        from aioload._observe.monitor import _tqdm
+        from aioload._observe.monitor import tqdm_class
 
-        bar = _tqdm()(total=total, desc="  writing shards", unit="img", file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm_class()(total=total, desc="  writing shards", unit="img", file=sys.stderr, dynamic_ncols=True)
     try:
         writer = convert_folder(args.src, args.dest, name=args.name, maxcount=args.maxcount, maxsize=args.maxsize,
                                 shuffle_seed=args.shuffle, storage_options=options,

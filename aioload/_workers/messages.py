@@ -26,19 +26,37 @@ class StartEpoch(NamedTuple):
     per_sample_seeds: bool  # seed= given: every sample is seeded from (base seed, index)
 
 
-class Task(NamedTuple):
-    """One task: some samples of one batch (``rows``), a whole batch (``whole``), or the next
-    batch of the worker's own copy of an ``IterableDataset`` (``iter``)."""
+class RowsWork(NamedTuple):
+    """Some samples of one batch, each written into its row of the slot from ``row0``."""
 
-    kind: str  # "rows", "whole" or "iter"
+    # (index, raw) pairs, or bare indices for a dataset without a read stage (or one whose
+    # workers read: the worker pairs them with what its own reads return)
+    items: list
+    row0: int  # the slot row of the first item
+    # Collate the chunk into the slot's columns (chunk mode, see aioload._handoff.chunks), where
+    # its samples allow it; else, and when False, one skeleton per row (rows mode).
+    chunks: bool
+
+
+class WholeWork(NamedTuple):
+    """A whole batch, collated in the worker by ``collate_fn``."""
+
+    items: list  # as RowsWork.items
+    skip_errors: bool  # on_error="skip": collate the samples that did not fail
+
+
+class IterWork(NamedTuple):
+    """The next batch of the worker's own copy of an ``IterableDataset``."""
+
+
+class Task(NamedTuple):
+    """One task of the epoch: what to make (``work``) and where its samples go (``slot``)."""
+
     task_id: int  # unique in the epoch; the reply's Done.task_id
     # Where the samples go: (slot id, layout description, (lo, hi) of the slot's overflow area
     # this task may use), or None while the layout is unknown (everything comes back pickled).
     slot: tuple | None
-    # rows: (items, first row, chunked: True, False or None (try chunk mode, else rows mode));
-    # whole: (items, skip_errors); iter: None. Items are (index, raw) pairs, or bare indices
-    # for a dataset without a read stage (or one whose workers read).
-    payload: Any
+    work: RowsWork | WholeWork | IterWork
     drops: tuple | list = ()  # slot ids the pool has retired since this worker's last task: unmap them
 
 
@@ -81,14 +99,56 @@ class TaskError(NamedTuple):
     packed: bytes  # aioload._errors.pack_exception of the exception, traceback included
 
 
+class RowsOut(NamedTuple):
+    """Rows mode: each sample's skeleton (its containers, labels and strings, with each leaf
+    replaced by its place in its row of the slot)."""
+
+    skeletons: list[bytes]  # the task's distinct skeletons, pickled, in the order first met
+    # Per item of the task: the position of its skeleton in ``skeletons``, or -1 for a sample
+    # that failed. Uniform samples share one skeleton: the parent unpickles it once.
+    rows: list[int]
+
+    @property
+    def count(self) -> int:
+        return len(self.rows)
+
+
+class ChunkOut(NamedTuple):
+    """Chunk mode: the task's samples collated into the slot's columns as one chunk."""
+
+    skeleton: bytes  # the collated chunk's skeleton (aioload._handoff.chunks, CHUNK_MAGIC first)
+    rows: int  # samples collated: they fill the rows from RowsWork.row0, in order, less those that failed
+    count: int  # items in the task
+
+
+class BatchOut(NamedTuple):
+    """A whole batch (``collate_fn``'s, or an ``IterableDataset``'s), pickled with its leaves
+    in the slot; ``None`` when the batch failed."""
+
+    skeleton: bytes | None
+
+    @property
+    def count(self) -> int:
+        return 1
+
+
+class ReadReport(NamedTuple):
+    """What a worker that reads its samples itself found while reading a task's samples."""
+
+    latencies: list  # seconds each real read took
+    nbytes: int  # bytes those reads returned
+    stall: Any  # an aioload._reads.Stall the first time the worker's reads blocked their loop, else None
+    waited_s: float  # seconds the worker's decoding waited for this task's reads
+    limited_s: float  # of which, seconds its reads in flight were at the limit (reads queued behind it)
+    limit: int  # the worker's reads-in-flight limit after this task
+    worker: int  # the worker's id
+
+
 class Done(NamedTuple):
     """A task finished (possibly with failures in ``errors``)."""
 
     task_id: int
-    # One entry per sample (rows mode) or one for the batch (whole, iter): the pickled
-    # skeleton whose leaves are in the slot; b"" for "as the previous row"; None for a sample
-    # that failed. In chunk mode the first entry present is the chunk's skeleton (CHUNK_MAGIC).
-    payloads: list
+    out: RowsOut | ChunkOut | BatchOut
     errors: list  # TaskError, in the order they happened
     # The leaf specs that teach the layout, sent by a task without a slot; [] when the
     # samples hold no leaves; None when the task had a slot.
@@ -96,9 +156,7 @@ class Done(NamedTuple):
     overflow_wanted: int  # overflow bytes the task lacked (the pool grows its slots' area)
     seconds: float  # wall time of the task in the worker
     cpu_s: float | None = None  # the worker's CPU seconds on the task (None: not measured)
-    # Reads the worker did itself: (latencies in seconds, bytes read, an aioload._reads.Stall
-    # the first time its reads were found blocking their loop, else None); None when it read nothing.
-    reads: tuple | None = None
+    reads: ReadReport | None = None  # None when the worker read nothing itself
 
 
 class Stopped(NamedTuple):

@@ -20,26 +20,13 @@ import weakref
 from aioload._workers import wire as _wire
 from aioload._errors import WorkerCrashedError, crash_message, describe_exit, unpack_exception
 from aioload._workers.messages import CancelReads, Done, InitError, Shutdown, Stopped, Task, WorkerReady
-from aioload._resources import watch_exit
 from aioload._handoff.shm import Segment, send_fd
 from aioload._workers.worker import PROGRESS_ID, SLOT_HEADER, WorkerConfig, worker_main
 
 PER_WORKER_TASKS = 2
-"""Tasks queued on one worker: one being decoded, one waiting, so a worker never idles."""
-
-
-def batches_in_flight(workers: int, io: int, batch_size: int, *, reads: bool, quick: bool) -> int:
-    """Batches allowed between the sampler and the ready queue (``queue_depth`` comes on
-    top): at least one per worker, and, for a dataset with a read stage (``reads``), enough
-    to keep ``io`` reads busy. Once batches are
-    known to be *quick* (each goes to one worker whole and decodes in a few milliseconds),
-    ``PER_WORKER_TASKS`` per worker: a finished batch then holds its permit until the
-    engine's thread has handed it over, and with one batch per worker the worker would often
-    find nothing queued when it finishes the next (measured: idle 10-22 % of the time on
-    128-token rows, 2 workers)."""
-    per_worker = PER_WORKER_TASKS if quick else 1
-    for_reads = -(-io // max(1, batch_size)) if reads else 0
-    return max(2, workers * per_worker, for_reads)
+"""Tasks queued on one worker by default (torch's ``prefetch_factor``, which sets it): one
+being decoded, one waiting, so that a worker never idles and, where the worker reads, the
+reads of the next task overlap the decoding of this one."""
 
 
 def choose_context(multiprocessing_context) -> mp.context.BaseContext:
@@ -63,10 +50,8 @@ class WorkerPool:
     """``num_workers`` processes, each holding one copy of the dataset."""
 
     def __init__(self, cfg: WorkerConfig, num_workers: int, context):
-        watch_exit()  # stopped before a multiprocessing child joins its children (NOTE [exit hooks])
         self.num_workers = num_workers
         self.context = context
-        self.reads_here = cfg.read_in_workers  # the workers await dataset.read themselves
         self.procs: list[mp.process.BaseProcess] = []
         self.socks: list[socket.socket] = []
         self.ctrls: list[socket.socket] = []
@@ -185,10 +170,15 @@ class _Request:
 
 
 class PoolSession:
-    """One epoch's use of the pool, inside the engine's event loop."""
+    """One epoch's use of the pool, inside the engine's event loop. ``per_worker``: tasks
+    queued on each worker once every worker has started (``prefetch_factor``);
+    ``cancel_reads``: the workers read their samples, and an epoch that ends early tells them
+    to cancel the reads in flight (:class:`~aioload._workers.messages.CancelReads`)."""
 
-    def __init__(self, pool: WorkerPool):
+    def __init__(self, pool: WorkerPool, per_worker: int = PER_WORKER_TASKS, cancel_reads: bool = False):
         self.pool = pool
+        self.per_worker = max(1, per_worker)
+        self.cancel_reads = cancel_reads
         self._ids = itertools.count()
         self._pending: list[_Request] = []
         self._has_pinned = False  # an IterableDataset pins tasks to workers
@@ -243,13 +233,14 @@ class PoolSession:
         finally:
             self._flushing[wid] = None
 
-    async def submit(self, kind: str, slot, payload, indices, priority, worker=None) -> Done | Stopped:
-        """Queue one task; returns the worker's reply. Lower ``priority`` is served first;
+    async def submit(self, work, slot, indices, priority, worker=None) -> Done | Stopped:
+        """Queue one task (``work``, a :mod:`~aioload._workers.messages` work value, into
+        ``slot``); returns the worker's reply. Lower ``priority`` is served first;
         ``worker`` pins the task to one worker (an IterableDataset's batches come from the
         worker whose copy produced them; round-robin dispatch gives batch i to worker i mod N)."""
-        return await self.enqueue(kind, slot, payload, indices, priority, worker)
+        return await self.enqueue(work, slot, indices, priority, worker)
 
-    def enqueue(self, kind: str, slot, payload, indices, priority, worker=None) -> asyncio.Future:
+    def enqueue(self, work, slot, indices, priority, worker=None) -> asyncio.Future:
         """:meth:`submit` without the wait: the task is queued when this returns, and the
         future gets the reply (:class:`~aioload._workers.messages.Done`, or ``Stopped`` for an
         ``iter`` task whose worker ran out). Tasks pinned to one worker reach it in ``priority`` order
@@ -258,7 +249,7 @@ class PoolSession:
             raise self.pool.broken
         future = asyncio.get_running_loop().create_future()
         task_id = next(self._ids)
-        request = _Request(priority, task_id, Task(kind, task_id, slot, payload), indices, future)
+        request = _Request(priority, task_id, Task(task_id, slot, work), indices, future)
         request.worker = worker
         if worker is not None:
             self._has_pinned = True
@@ -270,7 +261,7 @@ class PoolSession:
         # While some workers are still starting, one task each: the first batch is then split
         # across every worker instead of queueing on whichever answered first.
         ready = self.pool.ready
-        depth = PER_WORKER_TASKS if all(ready) else 1
+        depth = self.per_worker if all(ready) else 1
         return ready[wid] and len(self._inflight[wid]) < depth
 
     def _least_loaded(self) -> int | None:
@@ -308,7 +299,7 @@ class PoolSession:
 
     def _start(self, wid: int, request: _Request) -> None:
         queued = request.task
-        task = Task(queued.kind, queued.task_id, queued.slot, queued.payload, self._drops[wid])
+        task = queued._replace(drops=self._drops[wid])
         try:
             data = _wire.encode(task)
         except Exception as exc:  # noqa: BLE001 - an index or read result that does not pickle
@@ -458,7 +449,7 @@ class PoolSession:
         self._pending.clear()
         if self.pool.broken is not None:
             return True
-        if self.pool.reads_here and self.outstanding():
+        if self.cancel_reads and self.outstanding():
             data = _wire.encode(CancelReads())
             for wid, inflight in enumerate(self._inflight):
                 if inflight:

@@ -10,8 +10,14 @@ the workers the training process sends indices and receives slots, as for ``Imag
 Each worker runs one event loop in a thread of its own (``aioload-worker-loop``), beside the
 thread that decodes. A task's reads are started as soon as the task arrives -- also while the
 worker is still decoding the task before it -- so that reads and decoding overlap as they do
-with the engine's loop. At most ``limit`` reads are in flight per worker (the loader's
-``io_concurrency`` split across its workers), each within ``read_timeout``.
+with the engine's loop; a task whose every item ``read_nowait`` has at hand (a local file)
+does not touch the loop at all. At most ``limit`` reads are in flight per worker, each within
+``read_timeout``: the loader's ``io_concurrency`` split across its workers, or, with
+``io_concurrency="auto"``, a limit that starts at this worker's share of
+:data:`~aioload._reads.START_IO` and doubles while the worker's decoding waits for reads held
+at the limit (:func:`~aioload._reads.next_limit`), up to its share of
+:data:`~aioload._reads.MAX_IO`. How long the decoding waited, and how long of that the limit
+held the reads, goes back with each task's reply (:class:`~aioload._workers.messages.ReadReport`).
 
 The reads go through the one read core, :class:`aioload._reads.BatchReads`, as on the engine's
 loop and on an executor. A read that fails comes back as a :class:`~aioload._reads.FailedRead`
@@ -27,8 +33,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
+from typing import Callable
 
-from aioload._reads import BatchReads, FailedRead, StallMeter, Watch
+from aioload._limiter import Limiter
+from aioload._reads import NOT_READY, BatchReads, FailedRead, StallMeter, Watch, next_limit
 
 __all__ = ["CLOSE_GRACE", "FailedRead", "WorkerReads"]
 
@@ -42,26 +51,41 @@ CLOSE_GRACE = 1.0
 
 
 class _Reading(Watch):
-    """The indices whose read has started and not ended (written by the loop's thread)."""
+    """The indices whose read has started and not ended (written by the loop's thread), and
+    the task the decoding thread waits for: while it waits, each read of that task that ends
+    moves the worker's progress cell on to the next one still being read."""
 
-    __slots__ = ("indices",)
+    __slots__ = ("indices", "awaited")
 
     def __init__(self):
         self.indices: set = set()
+        self.awaited: tuple[list, Callable] | None = None  # (indices, mark) while the decoding waits
 
     def started(self, index) -> None:
         self.indices.add(index)
 
     def ended(self, index) -> None:
         self.indices.discard(index)
+        awaited = self.awaited
+        if awaited is not None:
+            indices, mark = awaited
+            mark(self.first_reading(indices))
+
+    def first_reading(self, indices: list):
+        """The first of ``indices`` still being read, else ``None``."""
+        reading = self.indices
+        return next((index for index in indices if index in reading), None)
 
 
 class WorkerReads:
-    """One worker's event loop for ``dataset.read``: started with the worker, closed with it."""
+    """One worker's event loop for ``dataset.read``: started with the worker, closed with it.
+    ``limit``: reads in flight at first; ``ceiling``: how far the limit may grow (``limit``
+    itself: a fixed limit)."""
 
-    def __init__(self, dataset, limit: int, read_timeout: float | None):
+    def __init__(self, dataset, limit: int, read_timeout: float | None, ceiling: int | None = None):
         self.dataset = dataset
-        self.limit = max(1, limit)  # reads in flight in this worker
+        self.limit = max(1, limit)  # reads in flight in this worker, as the decoding thread last set it
+        self.ceiling = max(self.limit, ceiling or self.limit)
         self.read_timeout = read_timeout
         self._watch = _Reading()
         self.meter = StallMeter()  # for the whole life of the worker
@@ -69,6 +93,7 @@ class WorkerReads:
         self._executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="aioload-worker-io")
         self._loop.set_default_executor(self._executor)
         self._core: BatchReads | None = None  # made on the loop, by its thread
+        self._bound: Limiter | None = None  # the core's bound on reads in flight, made with it
         self._generation = 0  # cancel() counts up: reads started before it are not begun
         started = threading.Event()
         # A daemon thread: a read stuck for good (a hung network mount) must not keep the
@@ -79,7 +104,8 @@ class WorkerReads:
 
     def _run(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
-        self._core = BatchReads(self.dataset, bound=asyncio.Semaphore(self.limit), read_timeout=self.read_timeout,
+        self._bound = Limiter(self.limit)
+        self._core = BatchReads(self.dataset, bound=self._bound, read_timeout=self.read_timeout,
                                 place=" in an aioload worker", watch=self._watch, meter=self.meter)
         self._loop.call_soon(started.set)
         self._loop.run_forever()
@@ -89,7 +115,39 @@ class WorkerReads:
         each index's raw item (a :class:`FailedRead` where its read failed), in order, and the
         seconds each real read took and the bytes they returned."""
         at_hand = self._core.at_hand(indices)  # in this thread: no trip through the loop
+        if not any(raw is NOT_READY for raw in at_hand):
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result((at_hand, [], 0))
+            return done
         return asyncio.run_coroutine_threadsafe(self._read(indices, at_hand, self._generation), self._loop)
+
+    def wait(self, indices: list, reading: concurrent.futures.Future, mark: Callable) -> tuple:
+        """``reading``'s result (from :meth:`start` for ``indices``), waited for by the thread
+        that decodes: while it waits, ``mark`` is told the first of ``indices`` still being
+        read (the worker's progress cell, which names a stuck sample), again each time one of
+        them ends. Returns ``(raws, latencies, nbytes, waited_s, limited_s)``: how long it
+        waited, and for how much of that reads were queued behind the limit."""
+        if reading.done():
+            return (*reading.result(), 0.0, 0.0)
+        watch = self._watch
+        started, bound0 = time.perf_counter(), self._bound.bound_seconds()
+        watch.awaited = (indices, mark)
+        try:
+            mark(watch.first_reading(indices))
+            raws, latencies, nbytes = reading.result()
+        finally:
+            watch.awaited = None
+        return raws, latencies, nbytes, time.perf_counter() - started, self._bound.bound_seconds() - bound0
+
+    def adapt(self, waited_s: float, limited_s: float) -> int:
+        """The limit after a task whose decoding waited ``waited_s`` for its reads, of which
+        ``limited_s`` behind the limit (:func:`~aioload._reads.next_limit`); changed on the
+        loop's thread."""
+        limit = next_limit(self.limit, self.ceiling, waited_s, limited_s)
+        if limit != self.limit:
+            self.limit = limit
+            self._loop.call_soon_threadsafe(self._bound.set_limit, limit)
+        return limit
 
     async def _read(self, indices: list, at_hand: list, generation: int) -> tuple[list, list, int]:
         if generation != self._generation:  # cancel() came after start() but before this began
@@ -104,12 +162,6 @@ class WorkerReads:
             self._loop.call_soon_threadsafe(self._core.cancel)
         except RuntimeError:
             pass  # the loop is closed: nothing is in flight
-
-    def waiting_for(self, indices: list, default):
-        """The first of ``indices`` still being read (``default`` when none is): what a task
-        waits for, for the progress cell that names a stuck sample."""
-        reading = self._watch.indices
-        return next((index for index in indices if index in reading), default)
 
     def close(self) -> None:
         """Cancel what still runs on the loop, close its sessions (``shutdown_asyncgens``

@@ -26,51 +26,6 @@ def send_blocking(sock: socket.socket, message: object) -> None:
     sock.sendall(encode(message))
 
 
-_PICKLES: set[type] = {bytes, bytearray, str, int, float, bool, complex, type(None)}
-"""Types known to pickle: the plain ones, and each type a value of which has pickled here."""
-
-_LOOK_INTO = 32
-"""Values :func:`unpicklable` looks at in one container before it trusts the rest: a read
-that returns thousands of numbers must not pay a check per number."""
-
-
-def unpicklable(value: object) -> tuple[object, Exception] | None:
-    """``None`` when ``value`` can travel to a worker; else the part of it that cannot be
-    pickled, and the error. Tuples, lists and dicts are looked into (up to ``_LOOK_INTO``
-    values); a value of any other type is pickled once, its buffers left out of band (an
-    array's data is not copied), and a type whose value pickled is not tried again. A value
-    that slips through (past the look-into bound, or a type that pickles only sometimes)
-    fails when its task is sent, as the error of its batch."""
-    budget = [_LOOK_INTO]
-    return _unpicklable(value, budget)
-
-
-def _unpicklable(value, budget: list) -> tuple[object, Exception] | None:
-    # Not aioload._handoff.tree's walk: this one is a search, not a map. It stops at the first value
-    # that fails and after _LOOK_INTO values whatever it found, counts the containers against
-    # that budget too, and looks into a dict's keys as well as its values. Only the built-in
-    # containers are opened: a value of any other type (a namedtuple, a Mapping) is simply
-    # pickled whole, which answers the question for everything inside it at once.
-    kind = type(value)
-    budget[0] -= 1
-    if kind in _PICKLES or budget[0] < 0:
-        return None
-    if kind is tuple or kind is list or kind is dict:
-        for item in (value.items() if kind is dict else value):
-            if budget[0] <= 0:
-                return None
-            found = _unpicklable(item, budget)
-            if found is not None:
-                return found
-        return None
-    try:
-        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=_out_of_band)
-    except Exception as exc:  # noqa: BLE001 - whatever pickling raised is the answer
-        return value, exc
-    _PICKLES.add(kind)
-    return None
-
-
 def unsendable(error: Exception, indices) -> TypeError:
     """The error of a task that could not be pickled (``error``) for dataset ``indices``."""
     exc = TypeError(f"the task for dataset indices {list(indices)} cannot be pickled to reach a "
@@ -78,10 +33,6 @@ def unsendable(error: Exception, indices) -> TypeError:
                     "what read() returns must pickle")
     exc.__cause__ = error
     return exc
-
-
-def _out_of_band(buffer) -> bool:
-    return False  # leave the buffer out of the trial pickle: only its structure is checked
 
 
 class Reader:

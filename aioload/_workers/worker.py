@@ -6,7 +6,6 @@ loader stops it or its socket closes (the parent went away): a worker never outl
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import itertools
 import os
@@ -26,8 +25,9 @@ from aioload._errors import pack_exception
 from aioload._handoff.chunks import ChunkWriter, Unsupported
 from aioload._handoff.layout import Layout
 from aioload._handoff.writers import RowWriter, SlotWriter, column_views
-from aioload._workers.messages import (CancelReads, Done, DropSlots, InitError, Shutdown, StartEpoch, Stopped, Task,
-                                      TaskError, WorkerReady)
+from aioload._workers.messages import (BatchOut, CancelReads, ChunkOut, Done, DropSlots, InitError, IterWork,
+                                      ReadReport, RowsOut, RowsWork, Shutdown, StartEpoch, Stopped, Task, TaskError,
+                                      WholeWork, WorkerReady)
 from aioload._seeding import sample_seed, seed_everything, seed_worker
 from aioload._handoff.shm import Segment, recv_fd
 from aioload._workers.reads import FailedRead, WorkerReads
@@ -49,20 +49,13 @@ class WorkerConfig:
     drop_last: bool
     worker_init_fn: Callable | None
     base_seed: int
-    exact_seeds: bool = False  # seed= given: fetch and seed every sample alone (no __getitems__)
+    exact_seeds: bool = False  # seed= given: every sample is seeded alone
     keep_rng: bool = False  # persistent_workers=True: RNG streams go on across epochs, as in torch
+    batched_fetch: bool = False  # a batch is fetched with one __getitems__ call, as torch does
     read_in_workers: bool = False  # the workers await dataset.read themselves (aioload._workers.reads)
-    io_limit: int = 1  # with read_in_workers: reads in flight per worker
+    read_limit: int = 1  # with read_in_workers: reads in flight per worker, at first
+    read_ceiling: int = 1  # ... and how far that limit may grow (read_limit: it stays)
     read_timeout: float | None = None  # with read_in_workers: seconds one read may take
-
-
-def _batched_fetch(ds) -> bool:
-    """Whether ``ds`` really fetches in batches (``Subset`` merely forwards to its dataset)."""
-    if getattr(ds, "__getitems__", None) is None:
-        return False
-    if isinstance(ds, torch.utils.data.Subset):
-        return _batched_fetch(ds.dataset)
-    return True
 
 
 def _set_worker_info(worker_id: int, cfg: WorkerConfig, seed: int) -> None:
@@ -78,10 +71,6 @@ COLLATING = -2
 """The progress cell's index while ``collate_fn`` runs (``-1``: no sample index known)."""
 
 _CELL_MAX = (1 << 63) - 1
-
-MARK_EVERY = 0.05
-"""Seconds between updates of the progress cell while a task waits for its reads."""
-
 
 def _cell(index) -> int:
     """What a progress cell (an int64) holds for ``index``: the index when it is an ``int``
@@ -156,10 +145,6 @@ class _Worker:
             self.progress[2 * self.id + 1] = _cell(index)
             self.progress[2 * self.id] = self.task
 
-    def batched(self) -> bool:
-        """Whether batches are fetched with one ``__getitems__`` call, as torch does."""
-        return not self.cfg.split and not self.cfg.exact_seeds and _batched_fetch(self.cfg.dataset)
-
     def fetch_batch(self, indices: list) -> Any:
         if self.per_sample_seeds:
             seed_everything(sample_seed(self.base_seed, indices[0]))
@@ -184,19 +169,17 @@ class _Worker:
         """A task's dataset indices (``items`` as sent)."""
         return [i for i, _ in items] if self.cfg.split else list(items)
 
-    def fetch_each(self, items) -> tuple[list, list, list]:
-        """A task's samples one by one, in order: ``(samples, payloads, errors)``, where a
-        payload is ``b""`` for a sample fetched and ``None`` for one that failed."""
+    def fetch_each(self, items) -> tuple[list, list]:
+        """A task's samples one by one, in order: ``(samples, errors)``; a sample that failed
+        is left out of ``samples`` and has its error (at its position) in ``errors``."""
         if self.cfg.split or self.per_sample_seeds:
-            samples, payloads, errors = [], [], []
+            samples, errors = [], []
             for pos, (index, raw) in enumerate(self.pairs(items)):
                 try:
                     samples.append(self.load(index, raw))
-                    payloads.append(b"")
                 except Exception as exc:  # noqa: BLE001
-                    payloads.append(None)
                     errors.append(TaskError(pos, index, self.stage(raw), pack_exception(exc)))
-            return samples, payloads, errors
+            return samples, errors
         # Bare indices, no seeding: the loop that torch's fetcher runs, plus one store per
         # sample saying which index this worker is on.
         dataset, progress, cell = self.cfg.dataset, self.progress, 2 * self.id + 1
@@ -210,10 +193,18 @@ class _Worker:
                 samples.append(dataset[index])
             except Exception as exc:  # noqa: BLE001
                 errors.append(TaskError(pos, index, self.stage(), pack_exception(exc)))
-        payloads = [b""] * len(items)
-        for error in errors:
-            payloads[error.pos] = None
-        return samples, payloads, errors
+        return samples, errors
+
+    def fetch(self, items) -> tuple[list, list] | TaskError:
+        """A rows task's samples: ``fetch_each``'s, or one ``__getitems__`` call
+        (``batched_fetch``), whose failure is the whole task's error."""
+        if not self.cfg.batched_fetch:
+            return self.fetch_each(items)
+        indices = self.indices(items)
+        try:
+            return list(self.fetch_batch(indices)), []
+        except Exception as exc:  # noqa: BLE001 - reported to the consumer with its indices
+            return TaskError(0, indices, "__getitems__", pack_exception(exc))
 
     def stage(self, raw=None) -> str:
         """The stage a sample failed in: its read (in this worker), decode or __getitem__."""
@@ -221,67 +212,64 @@ class _Worker:
             return "read"
         return "decode" if self.cfg.split else "__getitem__"
 
-    def run_rows(self, task_id, slot, items, row0):
-        """Rows mode: each sample's leaves into its row of the slot; ``items`` as
-        :meth:`run_chunk`'s."""
-        writer = self.writer(slot, RowWriter)
-        payloads, errors = [], []
+    def run_rows(self, task_id: int, slot, work: RowsWork) -> Done:
+        """Some samples of a batch into their rows of the slot: collated as one chunk where
+        ``work.chunks`` asks for it and the samples allow it (see :mod:`aioload._handoff.chunks`),
+        else one skeleton per row."""
         started = time.perf_counter()
-        samples = None
-        if self.batched():
-            indices = self.indices(items)
-            try:
-                samples = self.fetch_batch(indices)
-            except Exception as exc:  # noqa: BLE001 - reported to the consumer with its index
-                errors.append(TaskError(0, indices, "__getitems__", pack_exception(exc)))
-                return Done(task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
-        previous = None
-        for pos, (index, raw) in enumerate(self.pairs(items)):
-            try:
-                sample = samples[pos] if samples is not None else self.load(index, raw)
-                data = writer.dump(sample, row0 + pos)
-            except Exception as exc:  # noqa: BLE001
-                payloads.append(None)
-                errors.append(TaskError(pos, index, self.stage(raw), pack_exception(exc)))
-                continue
-            # b"" stands for "the same skeleton as the previous row": uniform batches then
-            # cost the parent one unpickle instead of one per row.
-            payloads.append(b"" if data == previous else data)
-            previous = data
-        specs = writer.first_specs if slot is None else None
-        seconds = time.perf_counter() - started
-        return Done(task_id, payloads, errors, specs, writer.overflow_wanted, seconds)
+        fetched = self.fetch(work.items)
+        if isinstance(fetched, TaskError):
+            out = RowsOut([], [-1] * len(work.items))
+            return Done(task_id, out, [fetched], None, 0, time.perf_counter() - started)
+        samples, errors = fetched
+        if work.chunks and samples:
+            done = self.chunk(task_id, slot, work, samples, errors, started)
+            if done is not None:
+                return done
+        return self.rows(task_id, slot, work, samples, errors, started)
 
-    def run_chunk(self, task_id, slot, items, row0, must: bool):
-        """Chunk mode (see :mod:`aioload._handoff.chunks`): collate the chunk straight into the slot.
-        ``None`` when its samples hold a type chunk mode cannot join (rows mode then).
-        ``items`` are as sent: ``(index, raw)`` pairs, or bare indices without a read stage."""
-        started = time.perf_counter()
-        payloads, errors, samples = [], [], []
-        if self.batched():
-            indices = self.indices(items)
-            try:
-                samples = list(self.fetch_batch(indices))
-                payloads = [b""] * len(samples)
-            except Exception as exc:  # noqa: BLE001 - reported to the consumer with its index
-                errors.append(TaskError(0, indices, "__getitems__", pack_exception(exc)))
-                return Done(task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
-        else:
-            samples, payloads, errors = self.fetch_each(items)
-        writer = self.chunk_writer(slot, row0)
-        if samples:
-            try:
-                blob = writer.dump(samples)
-            except Unsupported:
-                if must:
-                    raise
-                return None
-            except Exception as exc:  # noqa: BLE001 - collation failed: the batch fails
-                errors.append(TaskError(0, self.indices(items[:1])[0], "collate", pack_exception(exc)))
-                return Done(task_id, [None] * len(items), errors, None, 0, time.perf_counter() - started)
-            payloads[payloads.index(b"")] = blob
+    def chunk(self, task_id: int, slot, work: RowsWork, samples: list, errors: list, started: float) -> Done | None:
+        """``samples`` collated into the slot as one chunk; ``None`` when they cannot be (a type
+        with its own collate function, or samples that ``collate`` rejects): rows mode then
+        takes them as they are, and the parent collates the batch, so that its result or
+        its error is ``default_collate``'s over the whole batch."""
+        writer = self.chunk_writer(slot, work.row0)
+        try:
+            blob = writer.dump(samples)
+        except Exception:  # noqa: BLE001 - Unsupported, or collate's error: rows mode, then the parent's collate
+            return None
         specs = writer.specs if slot is None else None
-        return Done(task_id, payloads, errors, specs, 0, time.perf_counter() - started)
+        out = ChunkOut(blob, len(samples), len(work.items))
+        return Done(task_id, out, errors, specs, 0, time.perf_counter() - started)
+
+    def rows(self, task_id: int, slot, work: RowsWork, samples: list, errors: list, started: float) -> Done:
+        """Rows mode: each sample's leaves into its row of the slot, its skeleton pickled;
+        samples that failed (``errors``) have no row."""
+        writer = self.writer(slot, RowWriter)
+        failed = {error.pos for error in errors}
+        # each sample's position in the task: the items that did not fail, in order (one
+        # __getitems__ call gives one sample per position, however many it returns)
+        positions = range(len(samples)) if self.cfg.batched_fetch else \
+            [pos for pos in range(len(work.items)) if pos not in failed]
+        rows = [-1] * max(len(work.items), len(samples))
+        skeletons: list[bytes] = []
+        previous = None
+        for pos, sample in zip(positions, samples):
+            try:
+                data = writer.dump(sample, work.row0 + pos)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(TaskError(pos, self.indices(work.items[pos:pos + 1])[0] if pos < len(work.items) else None,
+                                        self.stage(), pack_exception(exc)))
+                continue
+            # uniform batches share one skeleton: the parent unpickles it once
+            if data != previous:
+                skeletons.append(data)
+                previous = data
+            rows[pos] = len(skeletons) - 1
+        specs = writer.first_specs if slot is None else None
+        errors.sort(key=lambda e: e.pos)
+        return Done(task_id, RowsOut(skeletons, rows), errors, specs, writer.overflow_wanted,
+                    time.perf_counter() - started)
 
     def chunk_writer(self, slot, row0: int) -> ChunkWriter:
         if slot is None:
@@ -289,26 +277,27 @@ class _Worker:
         writer = self.writer(slot, SlotWriter)
         return ChunkWriter(writer.segment, writer.layout, row0, writer.columns)
 
-    def run_whole(self, task_id, slot, items, skip_errors: bool):
-        """One whole batch, collated by ``collate_fn``; ``items`` as :meth:`run_chunk`'s."""
+    def run_whole(self, task_id: int, slot, work: WholeWork) -> Done:
+        """One whole batch, collated by ``collate_fn``; ``work.items`` as :class:`RowsWork`'s."""
         writer = self.writer(slot)
         started = time.perf_counter()
+        items = work.items
         indices = self.indices(items)
-        if self.cfg.auto_collation and self.batched():
+        if self.cfg.auto_collation and self.cfg.batched_fetch:
             try:
                 samples = self.fetch_batch(indices)
             except Exception as exc:  # noqa: BLE001 - reported to the consumer with its index
                 errors = [TaskError(0, indices[0], "__getitems__", pack_exception(exc))]
-                return Done(task_id, [None], errors, None, 0, time.perf_counter() - started)
+                return Done(task_id, BatchOut(None), errors, None, 0, time.perf_counter() - started)
             return self.finish_batch(task_id, slot, writer, samples, [], started, indices)
-        samples, _, errors = self.fetch_each(items)
-        if (errors and not skip_errors) or not samples:
-            return Done(task_id, [None], errors, None, 0, time.perf_counter() - started)
+        samples, errors = self.fetch_each(items)
+        if (errors and not work.skip_errors) or not samples:
+            return Done(task_id, BatchOut(None), errors, None, 0, time.perf_counter() - started)
         failed = {error.pos for error in errors}
         collated = [index for pos, index in enumerate(indices) if pos not in failed]
         return self.finish_batch(task_id, slot, writer, samples, errors, started, collated)
 
-    def finish_batch(self, task_id, slot, writer, samples, errors, started, index):
+    def finish_batch(self, task_id, slot, writer, samples, errors, started, index) -> Done:
         cfg = self.cfg
         self.mark(COLLATING)
         try:
@@ -322,7 +311,7 @@ class _Worker:
             payload = None
         specs = writer.first_specs if slot is None else None
         seconds = time.perf_counter() - started
-        return Done(task_id, [payload], errors, specs, writer.overflow_wanted, seconds)
+        return Done(task_id, BatchOut(payload), errors, specs, writer.overflow_wanted, seconds)
 
     def run_iter(self, task_id, slot):
         cfg = self.cfg
@@ -345,7 +334,7 @@ class _Worker:
             return Stopped(task_id)
         except Exception as exc:  # noqa: BLE001
             errors = [TaskError(0, None, "__iter__", pack_exception(exc))]
-            return Done(task_id, [None], errors, None, 0, time.perf_counter() - started)
+            return Done(task_id, BatchOut(None), errors, None, 0, time.perf_counter() - started)
         return self.finish_batch(task_id, slot, self.writer(slot), samples, [], started, None)
 
     def serve(self) -> None:
@@ -359,32 +348,29 @@ class _Worker:
             if isinstance(msg, DropSlots):
                 self.drop(msg.slot_ids)
                 continue
-            kind, task_id, slot, payload, drops = msg.kind, msg.task_id, msg.slot, msg.payload, msg.drops
-            self.task = task_id
-            self.drop(drops)
-            cpu = time.process_time()
-            reads = None
-            if reading is not None:
-                payload, reads = self.with_reads(payload, reading)
-            if kind == "rows":
-                items, row0, *chunked = payload
-                chunked = chunked[0] if chunked else False
-                reply = None
-                if chunked is not False:
-                    reply = self.run_chunk(task_id, slot, items, row0, must=chunked is True)
-                if reply is None:
-                    reply = self.run_rows(task_id, slot, items, row0)
-            elif kind == "whole":
-                items, skip_errors = payload
-                reply = self.run_whole(task_id, slot, items, skip_errors)
-            elif kind == "iter":
-                reply = self.run_iter(task_id, slot)
-            else:  # pragma: no cover - a bug in the engine
-                raise RuntimeError(f"unknown task kind {kind!r}")
-            if isinstance(reply, Done):
-                # CPU seconds (compared to wall time in stats), and the reads made here
-                reply = reply._replace(cpu_s=time.process_time() - cpu, reads=reads)
-            _wire.send_blocking(self.sock, reply)
+            _wire.send_blocking(self.sock, self.run(msg, reading))
+
+    def run(self, task: Task, reading) -> Done | Stopped:
+        """One task, its reads (started on arrival, ``reading``) awaited first."""
+        self.task = task.task_id
+        self.drop(task.drops)
+        cpu = time.process_time()
+        work, report = task.work, None
+        if reading is not None:
+            work, report = self.with_reads(work, reading)
+        kind = type(work)
+        if kind is RowsWork:
+            reply = self.run_rows(task.task_id, task.slot, work)
+        elif kind is WholeWork:
+            reply = self.run_whole(task.task_id, task.slot, work)
+        elif kind is IterWork:
+            reply = self.run_iter(task.task_id, task.slot)
+        else:  # pragma: no cover - a bug in the engine
+            raise RuntimeError(f"unknown task {kind.__name__}")
+        if isinstance(reply, Done):
+            # CPU seconds (compared to wall time in stats), and the reads made here
+            reply = reply._replace(cpu_s=time.process_time() - cpu, reads=report)
+        return reply
 
     # -- reads in this worker (cfg.read_in_workers) ------------------------------------------
     def next_message(self) -> tuple | None:
@@ -406,26 +392,23 @@ class _Worker:
                     self.reads.cancel()
                     continue
                 reading = None
-                if isinstance(msg, Task) and msg.kind in ("rows", "whole"):
-                    reading = self.reads.start(list(msg.payload[0]))
+                if isinstance(msg, Task) and not isinstance(msg.work, IterWork):
+                    reading = self.reads.start(list(msg.work.items))
                 self.inbox.put((msg, reading))
                 if isinstance(msg, Shutdown):
                     break
         finally:
             self.inbox.put(None)
 
-    def with_reads(self, payload: tuple, reading) -> tuple:
-        """The task's payload with its bare indices paired with what their reads returned,
-        as if the engine had read them, and the reads' ``(latencies, bytes)``."""
-        indices = payload[0]
-        while True:
-            try:
-                raws, latencies, nbytes = reading.result(timeout=MARK_EVERY)
-                break
-            except concurrent.futures.TimeoutError:
-                # what this worker waits for, should timeout= expire
-                self.mark(self.reads.waiting_for(indices, None))
-        return (list(zip(indices, raws)),) + tuple(payload[1:]), (latencies, nbytes, self.reads.meter.take())
+    def with_reads(self, work: RowsWork | WholeWork, reading) -> tuple:
+        """``work`` with its bare indices paired with what their reads returned, as if the
+        engine had read them, and the :class:`ReadReport` of those reads (the limit adapted
+        to what this task waited for)."""
+        indices = work.items
+        raws, latencies, nbytes, waited, limited = self.reads.wait(indices, reading, self.mark)
+        limit = self.reads.adapt(waited, limited)
+        report = ReadReport(latencies, nbytes, self.reads.meter.take(), waited, limited, limit, self.id)
+        return work._replace(items=list(zip(indices, raws))), report
 
 
 def _receive_progress(ctrl):
@@ -464,7 +447,7 @@ def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=()) -> 
         return
     receiver = None
     if cfg.read_in_workers:
-        worker.reads = WorkerReads(cfg.dataset, cfg.io_limit, cfg.read_timeout)
+        worker.reads = WorkerReads(cfg.dataset, cfg.read_limit, cfg.read_timeout, ceiling=cfg.read_ceiling)
         worker.inbox = queue.SimpleQueue()
         # daemon: it blocks on the socket, and the parent's end closing ends it; a worker
         # told to stop does not wait for it

@@ -1,21 +1,25 @@
 """A resizable async limiter: an ``asyncio.Semaphore`` whose bound can change while it runs.
 
-The engine bounds reads in flight and batches in flight with it; the autotuner moves those
+The engine bounds reads in flight and batches in flight with it, and a worker that reads its
+samples bounds its reads in flight; the autotuner and a worker's read policy move those
 bounds. Lowering the limit never interrupts a holder: new acquirers wait until enough holders
-have released. Waiters are served first come, first served.
+have released. Waiters are served first come, first served. It also keeps how long acquirers
+have waited behind the limit (:meth:`Limiter.bound_seconds`), the evidence that it binds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import time
 
 
 class Limiter:
     """At most ``limit`` holders at once; ``set_limit`` resizes it on the fly.
 
     Same interface as ``asyncio.Semaphore`` (``acquire``, ``release``, ``async with``) plus
-    :meth:`set_limit` and :attr:`in_use`. One event loop only.
+    :meth:`set_limit`, :attr:`in_use` and :meth:`bound_seconds`. One event loop only (which
+    :meth:`bound_seconds` may be read from any thread).
     """
 
     def __init__(self, limit: int):
@@ -24,6 +28,14 @@ class Limiter:
         self._limit = limit
         self._in_use = 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._bound_s = 0.0  # seconds during which someone waited behind the limit, up to _since
+        self._since: float | None = None  # when the current run of waiting began
+
+    def bound_seconds(self) -> float:
+        """Seconds, since this limiter was made, during which at least one acquirer waited
+        behind the limit."""
+        since = self._since
+        return self._bound_s + (time.perf_counter() - since if since is not None else 0.0)
 
     @property
     def limit(self) -> int:
@@ -47,6 +59,8 @@ class Limiter:
             self._in_use += 1
             return True
         future = asyncio.get_running_loop().create_future()
+        if self._since is None:
+            self._since = time.perf_counter()
         self._waiters.append(future)
         try:
             await future
@@ -76,9 +90,17 @@ class Limiter:
             if not future.done():
                 self._in_use += 1
                 future.set_result(None)
+        self._settle()
 
     def _discard(self, future: asyncio.Future) -> None:
         try:
             self._waiters.remove(future)
         except ValueError:
             pass
+        self._settle()
+
+    def _settle(self) -> None:
+        """Close the current run of waiting once nobody waits any more."""
+        if not self._waiters and self._since is not None:
+            self._bound_s += time.perf_counter() - self._since
+            self._since = None
