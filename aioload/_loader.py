@@ -97,7 +97,9 @@ class DataLoader(Generic[_T_co]):
 
     * ``io_concurrency`` -- reads in flight (``Dataset.read`` calls running at once). Storage
       with latency L serving one read at a time needs about ``throughput * L`` of them.
-      ``"auto"`` starts at 64 and raises it while that helps (see ``docs/stats.md``).
+      ``"auto"`` starts at 64 and raises it while that helps: where the workers read, each
+      worker's own limit doubles while its decoding waits on reads held at it, up to its share
+      of 1024; on the loader's loop, the tuner resizes it (see ``docs/stats.md``).
     * ``queue_depth`` -- finished batches buffered ahead of the consumer; each costs one batch
       of shared memory (and of device memory with ``device=``). Two to four absorb jitter.
       ``"auto"`` starts at the default and grows while that helps.
@@ -129,11 +131,11 @@ class DataLoader(Generic[_T_co]):
       sends the bytes with each task. See ``docs/distributed.md``.
     * ``read_in_workers`` -- where a split dataset's ``async def read`` runs when
       ``num_workers > 0``. ``None`` (default): in the worker processes, each on its own event
-      loop with ``io_concurrency / num_workers`` reads in flight, so that the training process
-      spends no CPU on reads (see ``docs/architecture.md``), unless the dataset's
-      ``read_in_workers`` says no or ``io_concurrency="auto"`` (the tuner resizes reads on the
-      loader's loop). ``False``: on the loader's event loop in the training process. ``True``:
-      in the workers.
+      loop with its share of ``io_concurrency`` reads in flight (with ``"auto"``, a limit of
+      its own that grows while its decoding waits on reads held at it), so that the training
+      process spends no CPU on reads (see ``docs/architecture.md``), unless the dataset's
+      ``read_in_workers`` says no. ``False``: on the loader's event loop in the training
+      process. ``True``: in the workers.
     """
 
     def __init__(self, dataset: torch.utils.data.Dataset[_T_co],

@@ -625,7 +625,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--io-concurrency", type=int, default=64)
+    parser.add_argument("--io-concurrency", type=lambda text: text if text == "auto" else int(text), default="auto",
+                        help="aioload's reads in flight: a number, or auto (the loader's default)")
     parser.add_argument("--latencies", default="0,20,50", help="split: HTTP latencies in ms, comma-separated "
                                                                "('' for none)")
     parser.add_argument("--http-images", type=int, default=256, help="split: images per HTTP epoch")

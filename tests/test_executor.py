@@ -7,7 +7,6 @@ import concurrent.futures
 import logging
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -190,20 +189,13 @@ def test_a_process_pool_whose_process_dies_raises_naming_the_indices():
 
 def test_a_dask_worker_killed_mid_epoch_is_replaced_and_the_epoch_completes(dask):
     pids = list(dask.run(getpid).values())
-    killed = threading.Event()
-
-    def kill_one():
-        time.sleep(0.5)  # tasks of 0.1 s per sample are running by then
-        os.kill(pids[0], signal.SIGKILL)
-        killed.set()
-
+    seen = []
     with aioload.DataLoader(Augmented(48, delay=0.05), batch_size=4, executor=dask.get_executor(),
                             seed=1) as loader:
-        killer = threading.Thread(target=kill_one)
-        killer.start()
-        seen = [i for _, indices in loader for i in indices.tolist()]
-        killer.join()
-    assert killed.is_set()
+        for _, indices in loader:
+            if not seen:  # the first batch is here: the next batches' tasks are running
+                os.kill(pids[0], signal.SIGKILL)
+            seen += indices.tolist()
     assert seen == list(range(48))  # every sample exactly once, in order
     dask.wait_for_workers(2, timeout=60)  # the nanny restarts the one that was killed
     nothing_left(dask)

@@ -398,8 +398,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--workers", type=int, default=cpus,
                    help="worker processes, the same for both loaders (default: this machine's CPUs, %(default)s)")
     b.add_argument("--batch-size", type=int, default=64, help="images per batch (default: %(default)s)")
-    b.add_argument("--io-concurrency", type=int, default=64,
-                   help="aioload's reads in flight (default: %(default)s)")
+    b.add_argument("--io-concurrency", type=_int_or_auto, default="auto",
+                   help="aioload's reads in flight: a number, or auto (the loader's default: each worker's "
+                        "limit grows while its decoding waits on reads held at it) (default: %(default)s)")
     b.add_argument("--queue-depth", type=int, default=4,
                    help="aioload's finished batches buffered ahead of the consumer (default: %(default)s)")
     b.add_argument("--step-ms", type=float, default=0.0,
@@ -450,13 +451,22 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _int_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     top = parser()
     args = top.parse_args(argv)
     positive = {"bench": ("workers", "batch_size", "io_concurrency", "queue_depth", "rounds", "images"),
                 "make-data": ("images", "classes"), "make-shards": ("maxcount", "maxsize"), "index": ()}[args.command]
     for name in positive:
-        if getattr(args, name) < 1:
+        if getattr(args, name) != "auto" and getattr(args, name) < 1:
             top.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.command == "make-data":
         return make_data_command(args)
