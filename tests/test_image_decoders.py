@@ -99,3 +99,22 @@ def test_before_torch_2_11_torchvisions_operator_decodes(monkeypatch):
     monkeypatch.setattr(images, "_TORCHCODEC", None)  # looked for again, under the older torch
     assert images.torchcodec_images() is None
     assert torch.equal(decode_image(FILES["jpeg"]), torchvision_op(FILES["jpeg"]))
+
+
+def test_building_an_image_dataset_looks_the_decoder_up_so_forked_workers_inherit_it(tmp_path):
+    """The lookup (importing torchcodec: 0.1-0.5 s) happens where the dataset is built, so a
+    worker forked from that process decodes its first sample without importing anything."""
+    import subprocess
+    import sys
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.png").write_bytes(FILES["png"])
+    probe = (
+        "import sys, aioload\n"
+        "before = 'torchcodec.decoders' in sys.modules\n"
+        f"ds = aioload.ImageFolder({str(tmp_path)!r})\n"
+        "print(before, 'torchcodec.decoders' in sys.modules, aioload.images.torchcodec_images() is not None)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    before, after, usable = (word == "True" for word in out)
+    assert not before  # importing aioload does not import it
+    assert after == usable  # building the dataset did, wherever torchcodec can decode here

@@ -161,6 +161,10 @@ class WebDataset(Dataset):
             raise TypeError(f"storage must be an aioload.Storage, got {type(storage).__name__}")
         self.storage = storage if storage is not None else Storage()
         self._decode_fn = decode
+        if decode is None:  # the default decodes images: workers forked from here inherit the decoder
+            from aioload.images import torchcodec_images
+
+            torchcodec_images()
         self._decoders = dict(decoders) if decoders is not None else None
         self.window = window
         self.fetch_ahead = fetch_ahead
