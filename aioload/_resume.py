@@ -438,7 +438,7 @@ def _check_kept(kept, base_seeds: str) -> tuple | None:
 
 def _check_progress(prog, exp: Expected, world: int | None) -> dict:
     _keys(prog, "progress", ("base_seed", "delivered", "batches"), ("rank", "inexact", "order_seed", "segments"))
-    base = _int(prog["base_seed"], "progress.base_seed", 0, _SEED_MAX)
+    _int(prog["base_seed"], "progress.base_seed", 0, _SEED_MAX)
     order_seed = prog.get("order_seed")
     if order_seed is not None:
         _int(order_seed, "progress.order_seed", 0, _SEED_MAX)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
 import threading
 import warnings
 from collections import deque

@@ -495,7 +495,9 @@ def profile_case(args) -> dict:
                 for batch in loader:
                     python_work(work)  # a training step's Python-side work, with --step-ms
                     if spy is None:
-                        command = ["py-spy", "record", "--pid", str(os.getpid()), "--rate", str(args.rate),
+                        # the py-spy installed beside this Python (a venv's bin/), else the one on PATH
+                        beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+                        command = [beside if os.path.exists(beside) else "py-spy", "record", "--pid", str(os.getpid()), "--rate", str(args.rate),
                                    "--format", "raw", "--threads", "--output", args.output]
                         if args.nonblocking:
                             command.append("--nonblocking")

@@ -1,7 +1,7 @@
 """Images behind HTTP with latency: aioload (ImageFiles over URLs) against torch's DataLoader.
 
-A local HTTP server (aiohttp, in its own process, files held in memory) answers every GET
-after L ms, as an object store or a remote web server would. Both loaders decode the same
+A local HTTP server (``aioload._tools.benchserver``, the one ``aioload bench`` uses, in its own
+process) answers every GET after L ms, as an object store or a remote web server would. Both loaders decode the same
 JPEGs with the same function (``aioload.decode_image``) and the same transform
 (``RandomResizedCrop(224)`` + flip from ``torchvision.transforms.v2``), with the same number
 of worker processes:
@@ -30,61 +30,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
 
 
-# -- the server (runs as ``remote.py --serve ROOT LATENCY_MS``, imports only aiohttp) ---------
-def serve(root: str, latency_ms: float) -> None:
-    import asyncio
-    import socket
-
-    from aiohttp import web
-
-    files = {}
-    for folder, _, names in os.walk(root):
-        for name in names:
-            path = os.path.join(folder, name)
-            with open(path, "rb") as f:
-                files[os.path.relpath(path, root)] = f.read()
-
-    async def handle(request):
-        await asyncio.sleep(latency_ms / 1000)
-        data = files.get(request.match_info["name"])
-        if data is None:
-            return web.Response(status=404)
-        return web.Response(body=data, content_type="image/jpeg")
-
-    async def main():
-        app = web.Application()
-        app.router.add_get("/{name:.+}", handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        await web.SockSite(runner, sock, backlog=1024).start()
-        print(f"port {sock.getsockname()[1]}", flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until stdin closes
-        await runner.cleanup()
-
-    asyncio.run(main())
-
-
-class Server:
-    def __init__(self, root: str, latency_ms: float):
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", root, str(latency_ms)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        if not line.startswith("port "):
-            raise RuntimeError(f"the HTTP server did not start: {line!r}")
-        self.base = f"http://127.0.0.1:{int(line.split()[1])}/"
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(30)
-        self.proc.stdout.close()
+# -- the server: the bench's (one asyncio loop in a process of its own; ``Server(root, latency_ms)``,
+# its ``base`` URL, ``close()``)
+from aioload._tools.benchhttp import Server  # noqa: E402
 
 
 # -- the loaders -----------------------------------------------------------------------------
@@ -188,11 +141,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 2))
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--latencies", default="0,5,20,50", help="milliseconds, comma-separated")
-    parser.add_argument("--serve", nargs=2, metavar=("ROOT", "LATENCY_MS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve:
-        serve(args.serve[0], float(args.serve[1]))
-        return
     if args.quick:
         args.images, args.rounds, args.batch_size = 128, 1, 16
     warnings.filterwarnings("ignore", message="This DataLoader will create 16 worker processes")

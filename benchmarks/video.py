@@ -24,8 +24,8 @@ processes:
 * ``decode loop, torchcodec`` / ``decode loop, PyAV``: the ceiling, the same open + decode +
   transform of local files in a tight loop, one process per worker, no loader.
 
-Behind latency, an HTTP server on 127.0.0.1 (aiohttp in a process of its own, files in memory,
-``Range`` answered) serves the files and answers every request after L ms. Each measurement is
+Behind latency, an HTTP server on 127.0.0.1 (``aioload._tools.benchserver``, the one
+``aioload bench`` uses, in a process of its own, ``Range`` answered) serves the files and answers every request after L ms. Each measurement is
 one epoch of a fresh loader; clips/s and main-process CPU (``time.process_time``: every thread
 of the loader's process) count the batches after the first one; peak memory is the PSS of the
 loader's process and its workers (the server left out). Rounds are interleaved, the order of
@@ -42,9 +42,7 @@ import io
 import json
 import os
 import shlex
-import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Callable
@@ -58,71 +56,9 @@ LOOP_TC = "decode loop, torchcodec"
 LOOP_AV = "decode loop, PyAV"
 
 
-# -- the server (runs as ``video.py --serve ROOT LATENCY_MS PARENT``) -----------------------------
-def serve(root: str, latency_ms: float, parent: int) -> None:
-    import asyncio
-    import re
-    import socket
-
-    from aiohttp import web
-
-    from aioload._tools.benchserver import die_with_parent
-
-    die_with_parent(parent)
-    files = {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(Path(root).rglob("*.mp4"))}
-
-    async def handle(request):
-        await asyncio.sleep(latency_ms / 1000)
-        data = files.get(request.match_info["name"])
-        if data is None:
-            return web.Response(status=404)
-        wanted = re.fullmatch(r"bytes=(\d+)-(\d*)", request.headers.get("Range", ""))
-        if wanted is None:
-            return web.Response(body=data, content_type="video/mp4")
-        start = int(wanted.group(1))
-        end = min(len(data) - 1, int(wanted.group(2)) if wanted.group(2) else len(data) - 1)
-        if start >= len(data):
-            return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data)}"})
-        return web.Response(status=206, body=data[start:end + 1], content_type="video/mp4",
-                            headers={"Content-Range": f"bytes {start}-{end}/{len(data)}"})
-
-    async def main():
-        app = web.Application()
-        app.router.add_get("/{name:.+}", handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        await web.SockSite(runner, sock, backlog=1024).start()
-        print(f"port {sock.getsockname()[1]}", flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until stdin closes
-        await runner.cleanup()
-
-    asyncio.run(main())
-
-
-class Server:
-    """The server process; ``close()`` stops it (and it stops when this process dies)."""
-
-    def __init__(self, root: Path, latency_ms: float):
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", str(root),
-                                      str(latency_ms), str(os.getpid())],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        if not line.startswith("port "):
-            self.close()
-            raise RuntimeError(f"the HTTP server did not start: {line!r}")
-        self.base = f"http://127.0.0.1:{int(line.split()[1])}/"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:  # pragma: no cover - a wedged server
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
+# -- the server: the bench's (one asyncio loop in a process of its own, ``Range`` answered;
+# ``Server(root, latency_ms)``, its ``base`` URL, ``close()``)
+from aioload._tools.benchhttp import Server  # noqa: E402
 
 
 # -- the recipes ---------------------------------------------------------------------------------
@@ -294,7 +230,6 @@ def print_scenario(result: dict, args) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--serve", nargs=3, metavar=("ROOT", "LATENCY_MS", "PARENT"), help=argparse.SUPPRESS)
     parser.add_argument("--videos", type=int, default=64)
     parser.add_argument("--frames", type=int, default=96, help="frames per video (default: 96, 3.8 s at 25 fps)")
     parser.add_argument("--size", default="128x170", help="video height x width (default: 128x170)")
@@ -308,9 +243,6 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", help="also write the rows and the settings to this file")
     args = parser.parse_args(argv)
-    if args.serve:
-        serve(args.serve[0], float(args.serve[1]), int(args.serve[2]))
-        return 0
 
     import aioload
     from aioload._tools.bench import environment

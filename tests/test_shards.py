@@ -21,7 +21,7 @@ import aioload
 from aioload._shards import tar
 from aioload._shards.index import SIDECAR, ShardIndex
 from aioload.images import decode_image
-from tests.shards_data import (digest, fingerprint, image_samples, webdataset_reads, webdataset_samples,
+from tests.shards_data import (fingerprint, image_samples, webdataset_reads, webdataset_samples,
                                write_aioload,
                                write_webdataset)
 

@@ -10,7 +10,6 @@ Archives are made by Python's ``tarfile`` in each of its formats, by ``webdatase
 from __future__ import annotations
 
 import io
-import os
 import shutil
 import subprocess
 import tarfile

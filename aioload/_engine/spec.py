@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from aioload._handoff.layout import Layout

@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 import torch
 
 from aioload._dataset import NOT_READY
-from aioload.images import ImageFolder, decode_image
+from aioload.images import ImageFolder, decode_image, torchcodec_images
 
 
 def rrc_flip():
@@ -252,7 +252,9 @@ def _decode_files(share) -> int:
 
 
 def ceiling(paths: list[str], transform, workers: int) -> float:
-    """img/s of the same read+decode+transform in a tight loop, one process per worker."""
+    """img/s of the same read+decode+transform in a tight loop, one process per worker (forked
+    once the decoder is looked up here, as a loader's workers are: its import is no decoding)."""
+    torchcodec_images()
     return ceiling_of(_decode_files, [(paths[w::workers], transform) for w in range(workers)])
 
 

@@ -22,7 +22,7 @@ import torch.utils.data._utils.worker as torch_worker
 
 from aioload._workers import wire as _wire
 from aioload._errors import pack_exception
-from aioload._handoff.chunks import ChunkWriter, Unsupported
+from aioload._handoff.chunks import ChunkWriter
 from aioload._handoff.layout import Layout
 from aioload._handoff.writers import RowWriter, SlotWriter, column_views
 from aioload._workers.messages import (BatchOut, CancelReads, ChunkOut, Done, DropSlots, InitError, IterWork,
