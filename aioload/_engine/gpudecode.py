@@ -243,7 +243,7 @@ class DecodeTransfer:
                 targets = _to(targets, self.device)
             if self.stream is None:
                 return (images, targets, indices), _Done()
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # its waiter sleeps rather than spins (see Transfer)
             event.record(self.stream)
         return (images, targets, indices), event
 

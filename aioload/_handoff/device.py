@@ -63,7 +63,9 @@ class Transfer:
         event has fired: its memory is being read by the copy."""
         with torch.cuda.stream(self.stream):
             out = map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
-            event = torch.cuda.Event()
+            # blocking: a thread that waits on it (the engine's, until the slot may be reused)
+            # sleeps instead of spinning a CPU core for the copy's duration
+            event = torch.cuda.Event(blocking=True)
             event.record(self.stream)
         return out, event
 
