@@ -91,7 +91,9 @@ def test_bench_runs_both_scenarios_and_draws_a_png(tmp_path):
     assert said, summary
     for ratio, block in zip(said.groups(), (local, http)):
         torch_rate, aioload_rate = map(float, re.search(r"img/s after the first batch +([\d.]+) +([\d.]+)", block).groups())
-        assert abs(float(ratio) - aioload_rate / torch_rate) < 0.015, (ratio, block)  # the table's figures are rounded
+        # the table's rates are rounded to 0.05 either way, the ratio to 0.005: what that allows
+        slack = aioload_rate / torch_rate * (0.05 / torch_rate + 0.05 / aioload_rate) + 0.005
+        assert abs(float(ratio) - aioload_rate / torch_rate) <= slack + 1e-9, (ratio, block)
     assert next_step.startswith("next: aioload bench --data DIR measures your own images")
     # aioload's own statistics: local files are read in the workers (0 B on the event loop),
     # every image of the HTTP scenario on the event loop
