@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing
 import threading
 
@@ -24,3 +25,17 @@ def child_pids() -> list[int]:
     """Live aioload worker processes of this process (multiprocessing's own helpers, such as
     the forkserver, are not counted)."""
     return [p.pid for p in multiprocessing.active_children() if p.name.startswith("aioload-worker")]
+
+
+@pytest.fixture(scope="module")
+def processes():
+    """A two-process ``ProcessPoolExecutor`` for the tests of one module (``executor=``)."""
+    with concurrent.futures.ProcessPoolExecutor(2) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def threads():
+    """A two-thread ``ThreadPoolExecutor`` for the tests of one module (``executor=``)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        yield pool

@@ -44,18 +44,6 @@ def assert_same(got, expected) -> None:
 
 
 @pytest.fixture(scope="module")
-def processes():
-    with concurrent.futures.ProcessPoolExecutor(2) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def threads():
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
 def dask():
     """A scheduler and two worker processes on 127.0.0.1, with a client and its executor."""
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",

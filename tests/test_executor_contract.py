@@ -33,18 +33,6 @@ def cluster(workers: int, threads: int):
 
 
 @pytest.fixture(scope="module")
-def processes():
-    with concurrent.futures.ProcessPoolExecutor(2) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def threads():
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
 def threaded_dask():
     """One worker process running two tasks at once (two threads): what LocalCluster() and
     `dask worker` give on a machine with several cores."""
