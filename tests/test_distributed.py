@@ -5,65 +5,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import aioload
 from aioload._sampling import ShardSampler
-
-ROOT = Path(__file__).resolve().parent.parent
-LAUNCH_TIMEOUT = 240  # two processes importing torch on a busy 2-core machine
+from tests.frameworks.launch import LAUNCH_TIMEOUT, ROOT, run, run_ranks, torchrun_args
 
 # Launching ranks takes longer than the default per-test limit on a loaded machine.
 pytestmark = [pytest.mark.timeout(LAUNCH_TIMEOUT + 30), pytest.mark.slow]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(script: Path, args: list[str], world: int = 2) -> list[str]:
-    """Start ``world`` processes with the environment torchrun gives its ranks; returns their
-    outputs (and fails with them if any rank fails)."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-            outputs.append(out)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for proc, out in zip(procs, outputs):
-        assert proc.returncode == 0, out
-    return outputs
-
-
-def torchrun(args: list[str]) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -172,9 +124,10 @@ def printed(output: str) -> dict[tuple[int, int], str]:
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
 def test_ddp_example_trains_and_resumes(image_root, tmp_path):
     ckpt = tmp_path / "ckpt.pt"
-    common = ["examples/ddp_train.py", "--data", str(image_root), "--workers", "1", "--batch-size", "8"]
-    first = printed(torchrun([*common, "--steps", "2", "--checkpoint", str(ckpt)]))
-    second = printed(torchrun([*common, "--steps", "5", "--resume", str(ckpt)]))
+    example = str(ROOT / "examples" / "ddp_train.py")
+    common = ["--data", str(image_root), "--workers", "1", "--batch-size", "8"]
+    first = printed(run(torchrun_args(example, [*common, "--steps", "2", "--checkpoint", str(ckpt)])))
+    second = printed(run(torchrun_args(example, [*common, "--steps", "5", "--resume", str(ckpt)])))
     expected = expected_digests(load_example(), image_root, 5)  # 48 images: 3 steps an epoch
     assert first == {k: v for k, v in expected.items() if k[1] <= 2}
     assert second == {k: v for k, v in expected.items() if k[1] > 2}

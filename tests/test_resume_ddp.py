@@ -19,7 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from aioload._sampling import ShardSampler
 from tests.dist_resume import RESUME_CASES
-from tests.test_distributed import LAUNCH_TIMEOUT, ROOT, run_ranks
+from tests.frameworks.launch import LAUNCH_TIMEOUT, ROOT, run_ranks
 
 pytestmark = [pytest.mark.timeout(LAUNCH_TIMEOUT + 30), pytest.mark.slow]
 

@@ -1,5 +1,9 @@
 """Running a framework's script as the training job would run: a subprocess (with the ranks
-that it or torchrun starts), bounded by a hang guard and killed with all its children."""
+that it or torchrun starts), bounded by a hang guard and killed with all its children.
+
+A job still running at its time limit is sent SIGABRT first: ``PYTHONFAULTHANDLER=1`` makes
+every Python process of it print all its threads' stacks, so a hang fails with where it hung.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,16 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent
 LAUNCH_TIMEOUT = 300  # two ranks importing torch and a framework on a busy 2-core machine
+FAILED_RANK_GRACE = 20  # seconds the other ranks get to finish once one has failed
+STACK_DUMP_WAIT = 5  # seconds given to print the stacks after SIGABRT
 
 
 def free_port() -> int:
@@ -40,8 +48,8 @@ def run(args: list[str], timeout: float = LAUNCH_TIMEOUT, env: dict | None = Non
 def start(args: list[str], timeout: float = LAUNCH_TIMEOUT, env: dict | None = None) -> Job:
     """Run ``python ARGS`` as :func:`run` does; returns its exit status and output. A job
     still running after ``timeout`` seconds is killed and fails here, with its output."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), **(env or {}))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **(env or {}))
     proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     hung = False
@@ -49,23 +57,93 @@ def start(args: list[str], timeout: float = LAUNCH_TIMEOUT, env: dict | None = N
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         hung = True
+        _signal_group(proc.pid, signal.SIGABRT)  # every process of the job prints its stacks
+        try:
+            proc.wait(STACK_DUMP_WAIT)
+        except subprocess.TimeoutExpired:
+            pass
     finally:
-        _kill_group(proc.pid)  # whatever is left of the job: ranks, their workers
+        _signal_group(proc.pid, signal.SIGKILL)  # whatever is left of the job: ranks, their workers
     if hung:
         out, _ = proc.communicate()
         raise AssertionError(f"still running after {timeout} s, killed:\n{out}")
     return Job(proc.returncode, out)
 
 
-def _kill_group(pgid: int) -> None:
+def run_ranks(script: Path, args: list[str], world: int = 2, timeout: float = LAUNCH_TIMEOUT) -> list[str]:
+    """Start ``world`` processes running ``script ARGS`` with the environment torchrun gives its
+    ranks; returns their outputs, and fails with all of them if any rank fails or hangs.
+
+    Each rank writes to a file of its own, never to a pipe: a rank blocked on a full pipe
+    while another is being waited for would stop in a collective the other waits in. Once a
+    rank has failed, the others get ``FAILED_RANK_GRACE`` seconds (they may be waiting for it
+    in a collective); ranks still running then, or at ``timeout``, print their stacks and are
+    killed with their workers.
+    """
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
+        paths = [Path(logs) / f"rank{rank}.log" for rank in range(world)]
+        procs = []
+        try:
+            for rank, path in enumerate(paths):
+                env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                           WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+                with open(path, "wb") as log:
+                    procs.append(subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, env=env,
+                                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            problem = _wait_ranks(procs, timeout)
+        finally:
+            for proc in procs:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+        outputs = [path.read_text(errors="replace") for path in paths]
+    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
+    assert problem is None and not failed, (problem or f"rank(s) {failed} failed") + "".join(
+        f"\n--- rank {rank} (exit status {proc.returncode}) ---\n{out}"
+        for rank, (proc, out) in enumerate(zip(procs, outputs)))
+    return outputs
+
+
+def _wait_ranks(procs: list[subprocess.Popen], timeout: float) -> str | None:
+    """Wait until every rank has exited; returns what went wrong when some had to be stopped."""
+    deadline = time.monotonic() + timeout
+    problem = None
+    while problem is None:
+        codes = [proc.poll() for proc in procs]
+        if None not in codes:
+            return None
+        now = time.monotonic()
+        if any(code not in (None, 0) for code in codes):
+            deadline = min(deadline, now + FAILED_RANK_GRACE)
+            if now >= deadline:
+                problem = f"a rank failed and rank(s) {[r for r, c in enumerate(codes) if c is None]} were still " \
+                          f"running {FAILED_RANK_GRACE} s later; their stacks follow"
+        elif now >= deadline:
+            problem = f"rank(s) {[r for r, c in enumerate(codes) if c is None]} still running after {timeout} s; " \
+                      "their stacks follow"
+        time.sleep(0.2)  # a handful of processes, watched for minutes: polling costs nothing here
+    for proc in procs:
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGABRT)
+    for proc in procs:
+        try:
+            proc.wait(STACK_DUMP_WAIT)
+        except subprocess.TimeoutExpired:
+            pass
+    return problem
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
 
 
 def torchrun_args(script: str, args: list[str], nproc: int = 2) -> list[str]:
-    """``-m torch.distributed.run --nproc-per-node NPROC script ARGS`` on 127.0.0.1."""
+    """``-m torch.distributed.run --nproc-per-node NPROC script ARGS`` on 127.0.0.1 (``script``
+    relative to tests/frameworks, or absolute)."""
     return ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPTS / script), *args]
 
