@@ -17,6 +17,8 @@ import os
 import random
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -193,6 +195,29 @@ def test_a_batched_decode_that_fails_in_any_way_is_retried_image_by_image(folder
     monkeypatch.setattr(gpudecode, "_decode_many", refuses)
     got = epochs(on_cpu(aioload.ImageFolder(folder, CROP)), epochs=1, shuffle=True, seed=3, num_workers=1)
     assert_same_batches(got, expected)  # each image decoded alone, by the same decoder
+
+
+def test_an_epoch_that_ends_while_a_device_copy_runs_waits_for_the_copy(folder, monkeypatch):
+    """The epoch's last batch is taken while its device copy still reads its slot: the stop
+    that ends the epoch waits for the copy (the slot must not be reused under it), and nothing
+    escapes the engine's thread (pytest fails a test on an exception in any thread)."""
+    from aioload._engine import gpudecode
+
+    finished = []
+
+    class SlowCopy:  # a device copy that takes half a second
+        def query(self) -> bool:
+            return bool(finished)
+
+        def synchronize(self) -> None:
+            time.sleep(0.5)
+            finished.append(threading.current_thread().name)
+
+    start = gpudecode.DecodeTransfer.start
+    monkeypatch.setattr(gpudecode.DecodeTransfer, "start", lambda self, batch: (start(self, batch)[0], SlowCopy()))
+    with aioload.DataLoader(on_cpu(aioload.ImageFolder(folder, CROP)), batch_size=10, num_workers=1) as loader:
+        assert [len(images) for images, _ in loader] == [10, 10, 10]  # taken before their copies end
+        assert len(finished) == 3 and all(name.startswith("aioload-io") for name in finished)
 
 
 def test_an_image_no_decoder_takes_is_named_whatever_the_decoders_raise(mixed, monkeypatch):

@@ -281,10 +281,14 @@ class Engine:
         return slots.layout.size if slots is not None else 0
 
     async def _copies_done(self) -> None:
-        """Let in-flight device copies finish before their slots can be reused."""
-        copies = list(self._copies)
-        if copies:
-            await asyncio.gather(*copies, return_exceptions=True)
+        """Let in-flight device copies finish before their slots can be reused, also when the
+        epoch is stopped meanwhile (the consumer closing the loader right after its last batch):
+        the copies are waited for, never cancelled, and the stop ends the epoch once they are done."""
+        while pending := [copy for copy in self._copies if not copy.done()]:
+            try:
+                await asyncio.wait(pending)
+            except asyncio.CancelledError:
+                continue  # the epoch is ending anyway; its copies still read their slots
 
     # -- stage 1: the sampler ---------------------------------------------------------------
     async def _produce(self, tg: asyncio.TaskGroup) -> int:
