@@ -86,9 +86,8 @@ def getpid() -> int:
     return os.getpid()
 
 
-class TwoDraws(aioload.Dataset):
-    """decode draws from torch's, random's and numpy's generators twice, with a pause between
-    that lets another thread of the same process run (and draw) meanwhile."""
+class Indices(aioload.Dataset):
+    """``n`` samples whose read gives the index itself; subclasses say what decode makes of it."""
 
     def __init__(self, n: int = 16):
         self.n = n
@@ -98,6 +97,11 @@ class TwoDraws(aioload.Dataset):
 
     async def read(self, i):
         return i
+
+
+class TwoDraws(Indices):
+    """decode draws from torch's, random's and numpy's generators twice, with a pause between
+    that lets another thread of the same process run (and draw) meanwhile."""
 
     def decode(self, i):
         import random
@@ -131,17 +135,8 @@ class SlowRead(aioload.Dataset):
         return torch.tensor([i])
 
 
-class WorkerInfoSeen(aioload.Dataset):
+class WorkerInfoSeen(Indices):
     """Each sample says what get_worker_info() told its decode: (index, id, num_workers, pid)."""
-
-    def __init__(self, n: int = 16):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    async def read(self, i):
-        return i
 
     def decode(self, i):
         info = torch.utils.data.get_worker_info()
