@@ -57,11 +57,7 @@ def start(args: list[str], timeout: float = LAUNCH_TIMEOUT, env: dict | None = N
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         hung = True
-        _signal_group(proc.pid, signal.SIGABRT)  # every process of the job prints its stacks
-        try:
-            proc.wait(STACK_DUMP_WAIT)
-        except subprocess.TimeoutExpired:
-            pass
+        _dump_stacks([proc])
     finally:
         _signal_group(proc.pid, signal.SIGKILL)  # whatever is left of the job: ranks, their workers
     if hung:
@@ -106,32 +102,30 @@ def run_ranks(script: Path, args: list[str], world: int = 2, timeout: float = LA
 
 
 def _wait_ranks(procs: list[subprocess.Popen], timeout: float) -> str | None:
-    """Wait until every rank has exited; returns what went wrong when some had to be stopped."""
-    deadline = time.monotonic() + timeout
-    problem = None
-    while problem is None:
-        codes = [proc.poll() for proc in procs]
-        if None not in codes:
-            return None
+    """Wait until every rank has exited; returns what went wrong when some had to be stopped
+    (after their stacks were printed)."""
+    deadline, why = time.monotonic() + timeout, f"still running after {timeout} s"
+    while running := [rank for rank, proc in enumerate(procs) if proc.poll() is None]:
         now = time.monotonic()
-        if any(code not in (None, 0) for code in codes):
-            deadline = min(deadline, now + FAILED_RANK_GRACE)
-            if now >= deadline:
-                problem = f"a rank failed and rank(s) {[r for r, c in enumerate(codes) if c is None]} were still " \
-                          f"running {FAILED_RANK_GRACE} s later; their stacks follow"
-        elif now >= deadline:
-            problem = f"rank(s) {[r for r, c in enumerate(codes) if c is None]} still running after {timeout} s; " \
-                      "their stacks follow"
+        if any(proc.returncode for proc in procs) and now + FAILED_RANK_GRACE < deadline:
+            deadline, why = now + FAILED_RANK_GRACE, f"still running {FAILED_RANK_GRACE} s after a rank failed"
+        if now >= deadline:
+            _dump_stacks([procs[rank] for rank in running])
+            return f"rank(s) {running} {why}; their stacks follow"
         time.sleep(0.2)  # a handful of processes, watched for minutes: polling costs nothing here
+    return None
+
+
+def _dump_stacks(procs: list[subprocess.Popen]) -> None:
+    """SIGABRT to each process's group: with ``PYTHONFAULTHANDLER=1`` every Python process of
+    it prints all its threads' stacks and exits; given ``STACK_DUMP_WAIT`` seconds to do so."""
     for proc in procs:
-        if proc.poll() is None:
-            _signal_group(proc.pid, signal.SIGABRT)
+        _signal_group(proc.pid, signal.SIGABRT)
     for proc in procs:
         try:
             proc.wait(STACK_DUMP_WAIT)
         except subprocess.TimeoutExpired:
             pass
-    return problem
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
