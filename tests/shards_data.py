@@ -66,3 +66,25 @@ def webdataset_reads(pattern: str) -> dict[str, tuple[str, int]]:
 def fingerprint(sample: dict) -> tuple[str, str, int]:
     """A decode for the loader: ``(key, digest of the jpg, class)`` (strings collate as lists)."""
     return sample["__key__"], digest(sample["jpg"]), int(sample["cls"])
+
+
+def set_header_field(path, member: str, start: int, field: bytes, keep_mtime: bool = True) -> None:
+    """Overwrite bytes ``start:start + len(field)`` of the tar header of ``member`` in the shard
+    at ``path`` in place (its checksum made again), as a damaged or hand-edited shard holds
+    them. ``keep_mtime``: the file's mtime is set back, so that the shard's version (size,
+    mtime, inode) is the one its sidecar recorded."""
+    import tarfile
+
+    with tarfile.open(path) as t:
+        at = t.getmember(member).offset_data - 512  # its own header (after any PAX header)
+    before = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        block = bytearray(f.read(512))
+        block[start:start + len(field)] = field
+        block[148:156] = b" " * 8
+        block[148:155] = f"{sum(block):06o}\0".encode()
+        f.seek(at)
+        f.write(block)
+    if keep_mtime:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))

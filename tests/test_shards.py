@@ -7,6 +7,7 @@ and tell it what they will read (``will_read``), as for any dataset that compute
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -21,9 +22,8 @@ import aioload
 from aioload._shards import tar
 from aioload._shards.index import SIDECAR, ShardIndex
 from aioload.images import decode_image
-from tests.shards_data import (fingerprint, image_samples, webdataset_reads, webdataset_samples,
-                               write_aioload,
-                               write_webdataset)
+from tests.shards_data import (fingerprint, image_samples, set_header_field, webdataset_reads, webdataset_samples,
+                               write_aioload, write_webdataset)
 
 SHARD = 10  # samples per shard: the 48 test images make 5 shards, the last one short
 
@@ -181,9 +181,11 @@ def test_a_shard_written_again_under_its_old_index_is_caught_not_misread(shards,
     data[at:at + len(first_name)] = first_name.replace(b"img_", b"IMG_")  # same size, another key
     data[at + 148:at + 156] = b" " * 8
     data[at + 148:at + 155] = f"{sum(data[at:at + 512]):06o}\0".encode()
+    mtime = shard.stat().st_mtime_ns
     shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(mtime, mtime))
     ds = aioload.WebDataset(str(folder / os.path.basename(shards["aioload"])), decode=fingerprint,
-                            index_cache=False)  # the sidecar's size still matches
+                            index_cache=False)  # the sidecar's size and mtime still match
     with pytest.raises(aioload.ShardError, match=rf"^shard {shard}, sample {samples[0][0]!r}: at byte 0 the shard "
                                                  r"holds '.*IMG_.*', not a member of this sample: it was written "
                                                  r"again since it was indexed; index it again"):
@@ -260,6 +262,110 @@ def test_the_loader_names_the_shard_and_key_of_a_failed_sample(broken):
             list(loader)
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert f"shard {urls[1]}, sample {keys['truncated']!r}" in str(info.value) + notes
+
+
+# -- hostile shards and indexes ----------------------------------------------------------------------
+def small_shard(folder: Path, n: int = 6) -> str:
+    """A shard of ``n`` samples ``s0``, ``s1``, ... (``cls``: i, ``txt``: "text i") and its sidecar."""
+    with aioload.ShardWriter(str(folder / "small-%d.tar")) as w:
+        for i in range(n):
+            w.write({"__key__": f"s{i}", "cls": i, "txt": f"text {i}"})
+    return w.urls[0]
+
+
+def keys_and_skips(ds, **loader_args):
+    with aioload.DataLoader(ds, batch_size=2, num_workers=2, on_error="skip", **loader_args) as loader:
+        keys = [k for batch in loader for k in batch["__key__"]]
+        return sorted(keys), loader.stats().skipped
+
+
+def test_a_negative_member_size_is_an_error_not_a_hang(tmp_path):
+    url = small_shard(tmp_path)
+    set_header_field(url, "s2.txt", 124, b"-0001000\0")  # the size field; the sidecar still matches the shard
+    header = 5 * 2 * tar.BLOCK  # s2.txt's: every member here is a header and one block of data
+    ds = aioload.WebDataset(url, index_cache=False, decoders={})
+    assert len(ds) == 6
+    with pytest.raises(aioload.ShardError, match=rf"^shard {url}, sample 's2': the tar header at byte {header} has a "
+                                                 r"negative size \(-512\): a corrupt header; the shard is corrupt, or was written again since it was indexed "
+                                                 rf"\(index it again: `aioload index {url}`\)$"):
+        ds[2]
+    keys, skipped = keys_and_skips(ds, read_timeout=30)
+    assert keys == ["s0", "s1", "s3", "s4", "s5"] and list(skipped) == [2]
+    os.remove(url + SIDECAR)  # indexed by a pass over the shard: the header is a corrupt stretch
+    scanned = aioload.WebDataset(url, index_cache=False, decoders={})
+    stretch = [i for i in range(len(scanned)) if scanned.key(i) == ""]
+    assert len(stretch) == 1 and scanned.describe(stretch[0]) == f"shard {url}, a corrupt stretch at byte {header}"
+    with pytest.raises(aioload.ShardError, match=rf"^shard {url}: the tar header at byte {header} has a negative "
+                                                 r"size \(-512\)"):
+        scanned[stretch[0]]
+
+
+def rewrite_member(url: str, name: str, data: bytes, keep_mtime: bool) -> None:
+    """The member ``name`` given other ``data`` in place, within its 512-byte padding: the shard
+    keeps its size (and, with ``keep_mtime``, its mtime and inode: the version its sidecar has)."""
+    with tarfile.open(url) as t:
+        offset = t.getmember(name).offset_data
+    before = os.stat(url)
+    set_header_field(url, name, 124, f"{len(data):011o}\0".encode(), keep_mtime=False)
+    with open(url, "r+b") as f:
+        f.seek(offset)
+        f.write(data.ljust(tar.padded(len(data)), b"\0"))
+    if keep_mtime:
+        os.utime(url, ns=(before.st_atime_ns, before.st_mtime_ns))
+    else:  # another mtime, also where the clock's grain is coarse
+        os.utime(url, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+
+
+def test_a_shard_written_again_with_the_same_size_is_not_read_through_its_old_sidecar(tmp_path):
+    url = small_shard(tmp_path)
+    size = os.path.getsize(url)
+    rewrite_member(url, "s2.txt", b"text 2, longer", keep_mtime=False)  # a new mtime: another version
+    assert os.path.getsize(url) == size
+    ds = aioload.WebDataset(url, index_cache=False)
+    assert ds[2]["txt"] == "text 2, longer" and ds[3]["txt"] == "text 3"  # indexed again, not cut short
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    url = small_shard(fresh)
+    sidecar = json.loads(Path(url + SIDECAR).read_text())
+    stat = os.stat(url)
+    assert sidecar["tag"] == f"mtime_ns={stat.st_mtime_ns} ino={stat.st_ino}"  # the shard's version when written
+
+
+@pytest.mark.parametrize("text", [b"text 2, longer", b"tex"], ids=["grown", "shrunk"])
+def test_a_sample_whose_members_do_not_fill_its_range_is_refused_not_cut(tmp_path, text):
+    url = small_shard(tmp_path)
+    rewrite_member(url, "s2.txt", text, keep_mtime=True)  # same size, mtime and inode: the sidecar is believed
+    ds = aioload.WebDataset(url, index_cache=False)
+    start, end = 4 * 2 * tar.BLOCK, 5 * 2 * tar.BLOCK + tar.BLOCK + len("text 2")
+    if len(text) > len("text 2"):
+        message = (rf"member 's2\.txt' ends at byte {end + len(text) - 6}, past the sample's range in the index "
+                   rf"\(bytes {start} to {end}\)")
+    else:
+        message = rf"its members end at byte {end - 3}, its range in the index at byte {end}"
+    with pytest.raises(aioload.ShardError, match=rf"^shard {url}, sample 's2': {message}: the shard was written "
+                                                 r"again since it was indexed, or its index is damaged; index it "
+                                                 rf"again: `aioload index {url}`$"):
+        ds[2]
+    keys, skipped = keys_and_skips(ds)
+    assert keys == ["s0", "s1", "s3", "s4", "s5"] and list(skipped) == [2]
+
+
+def test_a_damaged_sidecar_is_refused_when_loaded_and_a_short_range_when_read(tmp_path):
+    url = small_shard(tmp_path)
+    sidecar = Path(url + SIDECAR)
+    good = json.loads(sidecar.read_text())
+    for change in ({"starts": [-512, *good["starts"][1:]]}, {"ends": [*good["ends"][:-1], 2**40]},
+                   {"starts": [good["starts"][1], *good["starts"][1:]]}, {"faults": {"6": "past the samples"}}):
+        sidecar.write_text(json.dumps({**good, **change}))
+        with pytest.raises(aioload.ShardError, match=rf"^{sidecar} is a damaged shard index: .*; delete it, or make "
+                                                     rf"it again with `aioload index {url}`\nwhile indexing shard {url}$"):
+            aioload.WebDataset(url, index_cache=False)
+    sidecar.write_text(json.dumps({**good, "ends": [good["ends"][0], good["ends"][1] - 1, *good["ends"][2:]]}))
+    ds = aioload.WebDataset(url, index_cache=False)  # an end one byte short cannot be told without the shard
+    assert ds[0]["txt"] == "text 0"
+    with pytest.raises(aioload.ShardError, match=r"^shard .*, sample 's1': member 's1\.txt' ends at byte \d+, past "
+                                                 r"the sample's range in the index"):
+        ds[1]
 
 
 def test_a_missing_shard_is_named(shards, tmp_path):

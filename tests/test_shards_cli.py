@@ -14,7 +14,7 @@ import pytest
 import aioload
 from aioload._shards.index import SIDECAR, ShardIndex, _index_local
 from tests.httpserver import Server
-from tests.shards_data import image_samples, write_webdataset
+from tests.shards_data import image_samples, set_header_field, write_webdataset
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,6 +58,14 @@ def test_index_writes_sidecars_for_shards_of_other_tools(image_root, tmp_path):
     again = aioload_cli("index", pattern, cache=tmp_path / "other-cache")
     assert again.stdout.splitlines()[0].endswith(": 16 samples; its sidecar is up to date")
 
+
+def test_index_reports_a_header_with_a_negative_size_and_ends(image_root, tmp_path):
+    pattern = write_webdataset(image_samples(image_root)[:6], tmp_path / "wds", 6)
+    url = pattern.replace("{000000..000000}", "000000")
+    set_header_field(url, image_samples(image_root)[2][0] + ".jpg", 124, b"-0001000\0")
+    done = aioload_cli("index", pattern, cache=tmp_path / "cache")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{url}: 7 samples, 1 unreadable; wrote {url}{SIDECAR}\n"
 
 def test_index_over_http_fills_the_cache(image_root, tmp_path, monkeypatch):
     write_webdataset(image_samples(image_root), tmp_path / "www", 16)

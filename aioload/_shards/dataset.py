@@ -334,21 +334,32 @@ class WebDataset(Dataset):
             raise ShardError(f"shard {url}, sample {key!r}: {len(data)} of the sample's {end - start} bytes "
                              f"(from byte {start}) came back: the shard is shorter than when it was indexed "
                              f"(truncated, or written again); index it again: `aioload index {url}`")
+        again = f"index it again: `aioload index {url}`"
         sample: dict[str, Any] = {"__key__": key, "__url__": url}
         view = memoryview(data)
+        last = start  # where the last member's data ends: the range's end, if the index is this shard's
         try:
-            for member in tar.members_of(view):
+            for member in tar.members_of(view, start):
+                if member.end > end:
+                    raise ShardError(f"shard {url}, sample {key!r}: member {member.name!r} ends at byte {member.end}, "
+                                     f"past the sample's range in the index (bytes {start} to {end}): the shard was "
+                                     f"written again since it was indexed, or its index is damaged; {again}")
+                last = member.end
                 parts = tar.split_name(member.name) if member.regular else None
                 if parts is None:
                     continue
                 if parts[0] != key:
-                    raise ShardError(f"shard {url}, sample {key!r}: at byte {start + member.start} the shard holds "
+                    raise ShardError(f"shard {url}, sample {key!r}: at byte {member.start} the shard holds "
                                      f"{member.name!r}, not a member of this sample: it was written again since "
-                                     f"it was indexed; index it again: `aioload index {url}`")
-                sample[parts[1]] = bytes(view[member.offset:member.end])
+                                     f"it was indexed; {again}")
+                sample[parts[1]] = bytes(view[member.offset - start:member.end - start])
         except tar.TarError as exc:
-            raise ShardError(f"shard {url}, sample {key!r}: {exc} (at byte {start + exc.offset} of the shard): "
-                             "the shard is corrupt, or was written again since it was indexed") from None
+            raise ShardError(f"shard {url}, sample {key!r}: {exc}; the shard is corrupt, or was written again since "
+                             f"it was indexed ({again})") from None
+        if last != end:
+            raise ShardError(f"shard {url}, sample {key!r}: its members end at byte {last}, its range in the index at "
+                             f"byte {end}: the shard was written again since it was indexed, or its index is "
+                             f"damaged; {again}")
         return sample
 
     def decode(self, raw: tuple[Any, int]) -> Any:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import tarfile
 from typing import Any, Mapping
@@ -24,6 +25,8 @@ from typing import Any, Mapping
 from aioload._shards import tar
 from aioload._shards.index import SIDECAR, ShardIndex
 from aioload._storage.storage import locate
+
+logger = logging.getLogger("aioload")
 
 
 def _encoded(key: str, ext: str, value: Any) -> bytes:
@@ -114,6 +117,7 @@ class ShardWriter:
         self._file = None
         self._publish = None
         self._entries: ShardIndex | None = None
+        self._storage = None  # asks the store for each shard's version, once it is written
         self.count = 0  # samples in the current shard
         self.size = 0  # member bytes in the current shard
         self.total = 0  # samples written in all
@@ -175,7 +179,26 @@ class ShardWriter:
         self._publish()
         if self.index and self._entries is not None:
             self._entries.size = size
+            self._entries.tag = self._tag(self.urls[-1], size)
             write_sidecar(self.urls[-1], self._entries, self.storage_options)
+
+    def _tag(self, url: str, size: int) -> str:
+        """The tag of the shard just written (its mtime, or the store's ETag), which its sidecar
+        records so that readers tell it from a shard written again with the same size; empty
+        where the store does not say (the sidecar then holds for any shard of its size)."""
+        from aioload._shards import probe
+        from aioload._storage.scope import run_blocking
+        from aioload._storage.storage import Storage
+
+        if self._storage is None:
+            self._storage = Storage(storage_options=self.storage_options)
+        storage = self._storage
+        try:
+            version = run_blocking(lambda: probe.version(storage, url))
+        except Exception as exc:  # noqa: BLE001 - a store that cannot say costs the check, not the shard
+            logger.info("no version tag for %s in its sidecar (%s: %s)", url, type(exc).__name__, exc)
+            return ""
+        return version.tag if version.size == size else ""
 
     def close(self) -> None:
         """Finish the last shard. Idempotent."""
