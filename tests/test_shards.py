@@ -425,3 +425,19 @@ def test_shard_writer_refuses_what_readers_would_misread(tmp_path):
         w.write({"__key__": "ok", "jpg": b"1"})
     with tarfile.open(w.urls[0]) as t:
         assert tar.split_name(t.getnames()[0]) == ("ok", "jpg")
+
+
+def test_shard_writer_refuses_two_samples_of_one_key_in_a_row(tmp_path):
+    with aioload.ShardWriter(str(tmp_path / "k-%d.tar"), maxcount=2) as w:
+        w.write({"__key__": "a/x", "jpg": b"1", "cls": 0})
+        with pytest.raises(ValueError, match=r"^sample 'a/x' \(a/x\.png\) has the key of the sample written just "
+                                             r"before it \(a/x\.cls, a/x\.jpg\): readers take the members in a row "
+                                             r"that share a key for one sample, so the two would be read as one; give "
+                                             r"each sample a key of its own$"):
+            w.write({"__key__": "a/x", "png": b"2"})
+        w.write({"__key__": "a/y", "jpg": b"3"})
+        w.write({"__key__": "a/x", "jpg": b"4"})  # not in a row: two samples, as webdataset reads them
+    assert [k for s in webdataset_samples(str(tmp_path / "k-{0..1}.tar")) for k in [s["__key__"]]] == \
+        ["a/x", "a/y", "a/x"]
+    ds = aioload.WebDataset(str(tmp_path / "k-{0..1}.tar"), index_cache=False, decoders={})
+    assert [ds.key(i) for i in range(len(ds))] == ["a/x", "a/y", "a/x"] and ds[0]["jpg"] == b"1"

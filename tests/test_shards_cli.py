@@ -45,6 +45,21 @@ def test_make_shards_writes_a_folder_tree_class_by_class(image_root, tmp_path):
     assert sorted(keys) == sorted(ds.key(i) for i in range(len(ds))) and keys != [ds.key(i) for i in range(48)]
 
 
+@pytest.mark.parametrize("first, second", [("x.jpg", "x.png"), ("y.z.jpg", "y_z.jpg")])
+def test_make_shards_refuses_two_files_of_one_key_naming_both(image_root, tmp_path, first, second):
+    src = tmp_path / "src"
+    (src / "cat").mkdir(parents=True)
+    jpeg = next(image_root.rglob("*.jpg")).read_bytes()
+    for name in (first, second, "other.jpg"):
+        (src / "cat" / name).write_bytes(jpeg)
+    done = aioload_cli("make-shards", str(src), str(tmp_path / "out"), cache=tmp_path)
+    key = "cat/" + first.rsplit(".", 1)[0].replace(".", "_")
+    assert done.returncode == 1
+    assert done.stderr == (f"error: {src}/cat/{first} and {src}/cat/{second} both make the sample key {key!r} (the "
+                           "path up to the file's extension, the dots in its name made '_'): a shard cannot hold two "
+                           "samples of one key; rename or remove one of them\n")
+    assert not (tmp_path / "out").exists()
+
 def test_index_writes_sidecars_for_shards_of_other_tools(image_root, tmp_path):
     pattern = write_webdataset(image_samples(image_root), tmp_path / "wds", 16)
     done = aioload_cli("index", pattern, cache=tmp_path / "cache")
