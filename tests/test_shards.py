@@ -368,6 +368,45 @@ def test_a_damaged_sidecar_is_refused_when_loaded_and_a_short_range_when_read(tm
         ds[1]
 
 
+@pytest.mark.parametrize("source", ["sidecar", "scan"])
+def test_a_sample_missing_a_member_is_named_and_skipped_alone(tmp_path, source):
+    with aioload.ShardWriter(str(tmp_path / "m-%d.tar")) as w:
+        for i in range(8):
+            w.write({"__key__": f"s{i}", "txt": f"t{i}", **({} if i == 5 else {"cls": i})})
+    url = w.urls[0]
+    if source == "scan":
+        os.remove(url + SIDECAR)
+    ds = aioload.WebDataset(url, index_cache=False)
+    message = (rf"^shard {url}, sample 's5' has the members 'txt' where 7 of the dataset's 8 samples have 'cls', 'txt' "
+               r"\(it lacks 'cls'\): a batch holding it cannot be collated by default; pass on_error='skip' to the "
+               r"DataLoader to leave such samples out, give WebDataset a decode= that makes them alike, or "
+               r"check_members=False for a collate_fn that joins them")
+    with pytest.raises(aioload.ShardError, match=message + "$"):
+        ds[5]
+    with aioload.DataLoader(ds, batch_size=4, num_workers=2) as loader:
+        with pytest.raises(aioload.ShardError, match=message) as info:
+            list(loader)
+    assert f"while running decode for dataset index 5 (shard {url}, sample 's5')" in "\n".join(info.value.__notes__)
+    with aioload.DataLoader(ds, batch_size=4, num_workers=2, on_error="skip") as loader:
+        batches = [(b["__key__"], b["cls"].tolist()) for b in loader]
+        skipped = loader.stats().skipped
+    assert batches == [(["s0", "s1", "s2", "s3"], [0, 1, 2, 3]), (["s4", "s6", "s7"], [4, 6, 7])]
+    assert list(skipped) == [5]
+    unchecked = aioload.WebDataset(url, index_cache=False, check_members=False)
+    assert unchecked[5] == {"__key__": "s5", "__url__": url, "txt": "t5"}
+
+
+def test_indexes_that_did_not_record_members_are_not_checked(tmp_path):
+    with aioload.ShardWriter(str(tmp_path / "o-%d.tar")) as w:
+        for i in range(3):
+            w.write({"__key__": f"s{i}", "txt": f"t{i}", **({} if i == 1 else {"cls": i})})
+    sidecar = Path(w.urls[0] + SIDECAR)
+    old = json.loads(sidecar.read_text())
+    assert old.pop("members") == ["cls,txt", "txt", "cls,txt"]
+    sidecar.write_text(json.dumps(old))
+    assert aioload.WebDataset(w.urls[0], index_cache=False)[1] == {"__key__": "s1", "__url__": w.urls[0], "txt": "t1"}
+
+
 def test_a_missing_shard_is_named(shards, tmp_path):
     missing = str(tmp_path / "nowhere-000001.tar")
     with pytest.raises(FileNotFoundError, match=rf"^shard {missing} does not exist \(.*\); remove it from the "
@@ -439,5 +478,5 @@ def test_shard_writer_refuses_two_samples_of_one_key_in_a_row(tmp_path):
         w.write({"__key__": "a/x", "jpg": b"4"})  # not in a row: two samples, as webdataset reads them
     assert [k for s in webdataset_samples(str(tmp_path / "k-{0..1}.tar")) for k in [s["__key__"]]] == \
         ["a/x", "a/y", "a/x"]
-    ds = aioload.WebDataset(str(tmp_path / "k-{0..1}.tar"), index_cache=False, decoders={})
+    ds = aioload.WebDataset(str(tmp_path / "k-{0..1}.tar"), index_cache=False, decoders={}, check_members=False)
     assert [ds.key(i) for i in range(len(ds))] == ["a/x", "a/y", "a/x"] and ds[0]["jpg"] == b"1"

@@ -70,7 +70,9 @@ class ShardIndex:
     """One shard's samples: ``keys[i]`` and its bytes ``starts[i]:ends[i]``; ``faults[i]``
     says why sample ``i`` cannot be read (its key may then be empty). ``size``: the shard's
     bytes when indexed; ``tag``: its version's tag then (:class:`probe.Version`; empty where
-    unknown), which tells a sidecar of a shard written again with the same size."""
+    unknown), which tells a sidecar of a shard written again with the same size.
+    ``members[i]``: sample ``i``'s extensions, sorted, joined by ``,`` (empty list: not
+    recorded, as in indexes made before it was)."""
 
     size: int
     keys: list[str] = field(default_factory=list)
@@ -78,6 +80,7 @@ class ShardIndex:
     ends: list[int] = field(default_factory=list)
     faults: dict[int, str] = field(default_factory=dict)
     tag: str = field(default="", compare=False)
+    members: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -85,7 +88,8 @@ class ShardIndex:
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, "size": self.size, "tag": self.tag, "keys": self.keys,
                            "starts": self.starts, "ends": self.ends,
-                           "faults": {str(k): v for k, v in self.faults.items()}}, separators=(",", ":"))
+                           "faults": {str(k): v for k, v in self.faults.items()}, "members": self.members},
+                          separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> "ShardIndex":
@@ -99,7 +103,7 @@ class ShardIndex:
             if not isinstance(faults, dict):
                 raise ValueError("its faults are not an object")
             index = cls(data["size"], data["keys"], data["starts"], data["ends"],
-                        {int(k): v for k, v in faults.items()}, data.get("tag", ""))
+                        {int(k): v for k, v in faults.items()}, data.get("tag", ""), data.get("members", []))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ShardError(f"{where} is not an aioload shard index ({exc}); {_remedy(where)}") from None
         index.check(where)
@@ -135,6 +139,10 @@ def _problem(index: ShardIndex) -> str | None:
         return "its keys, starts and ends are not lists"
     if not len(keys) == len(starts) == len(ends):
         return f"its lists differ in length ({len(keys)} keys, {len(starts)} starts, {len(ends)} ends)"
+    members = index.members
+    if not isinstance(members, list) or (members and len(members) != len(keys)) \
+            or not all(isinstance(m, str) for m in members):
+        return f"its members are not one string per sample ({len(keys)} samples)"
     for i, (key, start, end) in enumerate(zip(keys, starts, ends)):
         if not isinstance(key, str):
             return f"key {i} is not a string ({key!r})"
@@ -180,6 +188,7 @@ class _Samples:
             index.keys.append(key)
             index.starts.append(member.start)
             index.ends.append(member.end)
+            index.members.append("")
             self.exts = set()
             self.open = True
         pos = len(index.keys) - 1
@@ -187,6 +196,7 @@ class _Samples:
             index.faults.setdefault(pos, f"sample {key!r} holds two members with the extension {ext!r} "
                                          f"(the second is {member.name!r}, at byte {member.start})")
         self.exts.add(ext)
+        index.members[pos] = ",".join(sorted(self.exts))
         index.ends[pos] = member.end
         if member.end > index.size:
             index.faults.setdefault(pos, f"the shard is truncated: member {member.name!r} needs bytes up to "
@@ -214,6 +224,7 @@ class _Samples:
         index.keys.append("")
         index.starts.append(at)
         index.ends.append(until)
+        index.members.append("")
         self.open = False
 
 

@@ -168,6 +168,7 @@ class ShardWriter:
             self.size += len(data)
         last = len(members[-1][1])
         entries.keys.append(key)
+        entries.members.append(",".join(sorted(ext.lower() for ext, _ in members)))
         entries.starts.append(start)
         entries.ends.append(archive.offset - (tar.padded(last) - last))
         self.count += 1
