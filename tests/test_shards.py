@@ -22,8 +22,8 @@ import aioload
 from aioload._shards import tar
 from aioload._shards.index import SIDECAR, ShardIndex
 from aioload.images import decode_image
-from tests.shards_data import (fingerprint, image_samples, set_header_field, webdataset_reads, webdataset_samples,
-                               write_aioload, write_webdataset)
+from tests.shards_data import (fingerprint, image_samples, rewrite_member, set_header_field, small_shard,
+                               webdataset_reads, webdataset_samples, write_aioload, write_webdataset)
 
 SHARD = 10  # samples per shard: the 48 test images make 5 shards, the last one short
 
@@ -265,14 +265,6 @@ def test_the_loader_names_the_shard_and_key_of_a_failed_sample(broken):
 
 
 # -- hostile shards and indexes ----------------------------------------------------------------------
-def small_shard(folder: Path, n: int = 6) -> str:
-    """A shard of ``n`` samples ``s0``, ``s1``, ... (``cls``: i, ``txt``: "text i") and its sidecar."""
-    with aioload.ShardWriter(str(folder / "small-%d.tar")) as w:
-        for i in range(n):
-            w.write({"__key__": f"s{i}", "cls": i, "txt": f"text {i}"})
-    return w.urls[0]
-
-
 def keys_and_skips(ds, **loader_args):
     with aioload.DataLoader(ds, batch_size=2, num_workers=2, on_error="skip", **loader_args) as loader:
         keys = [k for batch in loader for k in batch["__key__"]]
@@ -298,22 +290,6 @@ def test_a_negative_member_size_is_an_error_not_a_hang(tmp_path):
     with pytest.raises(aioload.ShardError, match=rf"^shard {url}: the tar header at byte {header} has a negative "
                                                  r"size \(-512\)"):
         scanned[stretch[0]]
-
-
-def rewrite_member(url: str, name: str, data: bytes, keep_mtime: bool) -> None:
-    """The member ``name`` given other ``data`` in place, within its 512-byte padding: the shard
-    keeps its size (and, with ``keep_mtime``, its mtime and inode: the version its sidecar has)."""
-    with tarfile.open(url) as t:
-        offset = t.getmember(name).offset_data
-    before = os.stat(url)
-    set_header_field(url, name, 124, f"{len(data):011o}\0".encode(), keep_mtime=False)
-    with open(url, "r+b") as f:
-        f.seek(offset)
-        f.write(data.ljust(tar.padded(len(data)), b"\0"))
-    if keep_mtime:
-        os.utime(url, ns=(before.st_atime_ns, before.st_mtime_ns))
-    else:  # another mtime, also where the clock's grain is coarse
-        os.utime(url, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
 
 
 def test_a_shard_written_again_with_the_same_size_is_not_read_through_its_old_sidecar(tmp_path):
