@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tarfile
 from pathlib import Path
 
 import aioload
@@ -66,3 +67,47 @@ def webdataset_reads(pattern: str) -> dict[str, tuple[str, int]]:
 def fingerprint(sample: dict) -> tuple[str, str, int]:
     """A decode for the loader: ``(key, digest of the jpg, class)`` (strings collate as lists)."""
     return sample["__key__"], digest(sample["jpg"]), int(sample["cls"])
+
+
+def set_header_field(path, member: str, start: int, field: bytes, keep_mtime: bool = True) -> None:
+    """Overwrite bytes ``start:start + len(field)`` of the tar header of ``member`` in the shard
+    at ``path`` in place (its checksum made again), as a damaged or hand-edited shard holds
+    them. ``keep_mtime``: the file's mtime is set back, so that the shard's version (size,
+    mtime, inode) is the one its sidecar recorded."""
+    with tarfile.open(path) as t:
+        at = t.getmember(member).offset_data - 512  # its own header (after any PAX header)
+    before = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        block = bytearray(f.read(512))
+        block[start:start + len(field)] = field
+        block[148:156] = b" " * 8
+        block[148:155] = f"{sum(block):06o}\0".encode()
+        f.seek(at)
+        f.write(block)
+    if keep_mtime:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def small_shard(folder: Path, n: int = 6) -> str:
+    """A shard of ``n`` samples ``s0``, ``s1``, ... (``cls``: i, ``txt``: "text i") and its sidecar."""
+    with aioload.ShardWriter(str(folder / "small-%d.tar")) as w:
+        for i in range(n):
+            w.write({"__key__": f"s{i}", "cls": i, "txt": f"text {i}"})
+    return w.urls[0]
+
+
+def rewrite_member(url: str, name: str, data: bytes, keep_mtime: bool) -> None:
+    """The member ``name`` given other ``data`` in place, within its 512-byte padding: the shard
+    keeps its size (and, with ``keep_mtime``, its mtime and inode: the version its sidecar has)."""
+    with tarfile.open(url) as t:
+        offset = t.getmember(name).offset_data
+    before = os.stat(url)
+    set_header_field(url, name, 124, f"{len(data):011o}\0".encode(), keep_mtime=False)
+    with open(url, "r+b") as f:
+        f.seek(offset)
+        f.write(data.ljust(-(-len(data) // 512) * 512, b"\0"))
+    if keep_mtime:
+        os.utime(url, ns=(before.st_atime_ns, before.st_mtime_ns))
+    else:  # another mtime, also where the clock's grain is coarse
+        os.utime(url, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))

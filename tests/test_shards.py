@@ -7,6 +7,7 @@ and tell it what they will read (``will_read``), as for any dataset that compute
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -21,9 +22,8 @@ import aioload
 from aioload._shards import tar
 from aioload._shards.index import SIDECAR, ShardIndex
 from aioload.images import decode_image
-from tests.shards_data import (fingerprint, image_samples, webdataset_reads, webdataset_samples,
-                               write_aioload,
-                               write_webdataset)
+from tests.shards_data import (fingerprint, image_samples, rewrite_member, set_header_field, small_shard,
+                               webdataset_reads, webdataset_samples, write_aioload, write_webdataset)
 
 SHARD = 10  # samples per shard: the 48 test images make 5 shards, the last one short
 
@@ -181,9 +181,11 @@ def test_a_shard_written_again_under_its_old_index_is_caught_not_misread(shards,
     data[at:at + len(first_name)] = first_name.replace(b"img_", b"IMG_")  # same size, another key
     data[at + 148:at + 156] = b" " * 8
     data[at + 148:at + 155] = f"{sum(data[at:at + 512]):06o}\0".encode()
+    mtime = shard.stat().st_mtime_ns
     shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(mtime, mtime))
     ds = aioload.WebDataset(str(folder / os.path.basename(shards["aioload"])), decode=fingerprint,
-                            index_cache=False)  # the sidecar's size still matches
+                            index_cache=False)  # the sidecar's size and mtime still match
     with pytest.raises(aioload.ShardError, match=rf"^shard {shard}, sample {samples[0][0]!r}: at byte 0 the shard "
                                                  r"holds '.*IMG_.*', not a member of this sample: it was written "
                                                  r"again since it was indexed; index it again"):
@@ -262,6 +264,125 @@ def test_the_loader_names_the_shard_and_key_of_a_failed_sample(broken):
     assert f"shard {urls[1]}, sample {keys['truncated']!r}" in str(info.value) + notes
 
 
+# -- hostile shards and indexes ----------------------------------------------------------------------
+def keys_and_skips(ds, **loader_args):
+    with aioload.DataLoader(ds, batch_size=2, num_workers=2, on_error="skip", **loader_args) as loader:
+        keys = [k for batch in loader for k in batch["__key__"]]
+        return sorted(keys), loader.stats().skipped
+
+
+def test_a_negative_member_size_is_an_error_not_a_hang(tmp_path):
+    url = small_shard(tmp_path)
+    set_header_field(url, "s2.txt", 124, b"-0001000\0")  # the size field; the sidecar still matches the shard
+    header = 5 * 2 * tar.BLOCK  # s2.txt's: every member here is a header and one block of data
+    ds = aioload.WebDataset(url, index_cache=False, decoders={})
+    assert len(ds) == 6
+    with pytest.raises(aioload.ShardError, match=rf"^shard {url}, sample 's2': the tar header at byte {header} has a "
+                                                 r"negative size \(-512\): a corrupt header; the shard is corrupt, or was written again since it was indexed "
+                                                 rf"\(index it again: `aioload index {url}`\)$"):
+        ds[2]
+    keys, skipped = keys_and_skips(ds, read_timeout=30)
+    assert keys == ["s0", "s1", "s3", "s4", "s5"] and list(skipped) == [2]
+    os.remove(url + SIDECAR)  # indexed by a pass over the shard: the header is a corrupt stretch
+    scanned = aioload.WebDataset(url, index_cache=False, decoders={})
+    stretch = [i for i in range(len(scanned)) if scanned.key(i) == ""]
+    assert len(stretch) == 1 and scanned.describe(stretch[0]) == f"shard {url}, a corrupt stretch at byte {header}"
+    with pytest.raises(aioload.ShardError, match=rf"^shard {url}: the tar header at byte {header} has a negative "
+                                                 r"size \(-512\)"):
+        scanned[stretch[0]]
+
+
+def test_a_shard_written_again_with_the_same_size_is_not_read_through_its_old_sidecar(tmp_path):
+    url = small_shard(tmp_path)
+    size = os.path.getsize(url)
+    rewrite_member(url, "s2.txt", b"text 2, longer", keep_mtime=False)  # a new mtime: another version
+    assert os.path.getsize(url) == size
+    ds = aioload.WebDataset(url, index_cache=False)
+    assert ds[2]["txt"] == "text 2, longer" and ds[3]["txt"] == "text 3"  # indexed again, not cut short
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    url = small_shard(fresh)
+    sidecar = json.loads(Path(url + SIDECAR).read_text())
+    stat = os.stat(url)
+    assert sidecar["tag"] == f"mtime_ns={stat.st_mtime_ns} ino={stat.st_ino}"  # the shard's version when written
+
+
+@pytest.mark.parametrize("text", [b"text 2, longer", b"tex"], ids=["grown", "shrunk"])
+def test_a_sample_whose_members_do_not_fill_its_range_is_refused_not_cut(tmp_path, text):
+    url = small_shard(tmp_path)
+    rewrite_member(url, "s2.txt", text, keep_mtime=True)  # same size, mtime and inode: the sidecar is believed
+    ds = aioload.WebDataset(url, index_cache=False)
+    start, end = 4 * 2 * tar.BLOCK, 5 * 2 * tar.BLOCK + tar.BLOCK + len("text 2")
+    if len(text) > len("text 2"):
+        message = (rf"member 's2\.txt' ends at byte {end + len(text) - 6}, past the sample's range in the index "
+                   rf"\(bytes {start} to {end}\)")
+    else:
+        message = rf"its members end at byte {end - 3}, its range in the index at byte {end}"
+    with pytest.raises(aioload.ShardError, match=rf"^shard {url}, sample 's2': {message}: the shard was written "
+                                                 r"again since it was indexed, or its index is damaged; index it "
+                                                 rf"again: `aioload index {url}`$"):
+        ds[2]
+    keys, skipped = keys_and_skips(ds)
+    assert keys == ["s0", "s1", "s3", "s4", "s5"] and list(skipped) == [2]
+
+
+def test_a_damaged_sidecar_is_refused_when_loaded_and_a_short_range_when_read(tmp_path):
+    url = small_shard(tmp_path)
+    sidecar = Path(url + SIDECAR)
+    good = json.loads(sidecar.read_text())
+    for change in ({"starts": [-512, *good["starts"][1:]]}, {"ends": [*good["ends"][:-1], 2**40]},
+                   {"starts": [good["starts"][1], *good["starts"][1:]]}, {"faults": {"6": "past the samples"}}):
+        sidecar.write_text(json.dumps({**good, **change}))
+        with pytest.raises(aioload.ShardError, match=rf"^{sidecar} is a damaged shard index: .*; delete it, or make "
+                                                     rf"it again with `aioload index {url}`\nwhile indexing shard {url}$"):
+            aioload.WebDataset(url, index_cache=False)
+    sidecar.write_text(json.dumps({**good, "ends": [good["ends"][0], good["ends"][1] - 1, *good["ends"][2:]]}))
+    ds = aioload.WebDataset(url, index_cache=False)  # an end one byte short cannot be told without the shard
+    assert ds[0]["txt"] == "text 0"
+    with pytest.raises(aioload.ShardError, match=r"^shard .*, sample 's1': member 's1\.txt' ends at byte \d+, past "
+                                                 r"the sample's range in the index"):
+        ds[1]
+
+
+@pytest.mark.parametrize("source", ["sidecar", "scan"])
+def test_a_sample_missing_a_member_is_named_and_skipped_alone(tmp_path, source):
+    with aioload.ShardWriter(str(tmp_path / "m-%d.tar")) as w:
+        for i in range(8):
+            w.write({"__key__": f"s{i}", "txt": f"t{i}", **({} if i == 5 else {"cls": i})})
+    url = w.urls[0]
+    if source == "scan":
+        os.remove(url + SIDECAR)
+    ds = aioload.WebDataset(url, index_cache=False)
+    message = (rf"^shard {url}, sample 's5' has the members 'txt' where 7 of the dataset's 8 samples have 'cls', 'txt' "
+               r"\(it lacks 'cls'\): a batch holding it cannot be collated by default; pass on_error='skip' to the "
+               r"DataLoader to leave such samples out, give WebDataset a decode= that makes them alike, or "
+               r"check_members=False for a collate_fn that joins them")
+    with pytest.raises(aioload.ShardError, match=message + "$"):
+        ds[5]
+    with aioload.DataLoader(ds, batch_size=4, num_workers=2) as loader:
+        with pytest.raises(aioload.ShardError, match=message) as info:
+            list(loader)
+    assert f"while running decode for dataset index 5 (shard {url}, sample 's5')" in "\n".join(info.value.__notes__)
+    with aioload.DataLoader(ds, batch_size=4, num_workers=2, on_error="skip") as loader:
+        batches = [(b["__key__"], b["cls"].tolist()) for b in loader]
+        skipped = loader.stats().skipped
+    assert batches == [(["s0", "s1", "s2", "s3"], [0, 1, 2, 3]), (["s4", "s6", "s7"], [4, 6, 7])]
+    assert list(skipped) == [5]
+    unchecked = aioload.WebDataset(url, index_cache=False, check_members=False)
+    assert unchecked[5] == {"__key__": "s5", "__url__": url, "txt": "t5"}
+
+
+def test_indexes_that_did_not_record_members_are_not_checked(tmp_path):
+    with aioload.ShardWriter(str(tmp_path / "o-%d.tar")) as w:
+        for i in range(3):
+            w.write({"__key__": f"s{i}", "txt": f"t{i}", **({} if i == 1 else {"cls": i})})
+    sidecar = Path(w.urls[0] + SIDECAR)
+    old = json.loads(sidecar.read_text())
+    assert old.pop("members") == ["cls,txt", "txt", "cls,txt"]
+    sidecar.write_text(json.dumps(old))
+    assert aioload.WebDataset(w.urls[0], index_cache=False)[1] == {"__key__": "s1", "__url__": w.urls[0], "txt": "t1"}
+
+
 def test_a_missing_shard_is_named(shards, tmp_path):
     missing = str(tmp_path / "nowhere-000001.tar")
     with pytest.raises(FileNotFoundError, match=rf"^shard {missing} does not exist \(.*\); remove it from the "
@@ -319,3 +440,19 @@ def test_shard_writer_refuses_what_readers_would_misread(tmp_path):
         w.write({"__key__": "ok", "jpg": b"1"})
     with tarfile.open(w.urls[0]) as t:
         assert tar.split_name(t.getnames()[0]) == ("ok", "jpg")
+
+
+def test_shard_writer_refuses_two_samples_of_one_key_in_a_row(tmp_path):
+    with aioload.ShardWriter(str(tmp_path / "k-%d.tar"), maxcount=2) as w:
+        w.write({"__key__": "a/x", "jpg": b"1", "cls": 0})
+        with pytest.raises(ValueError, match=r"^sample 'a/x' \(a/x\.png\) has the key of the sample written just "
+                                             r"before it \(a/x\.cls, a/x\.jpg\): readers take the members in a row "
+                                             r"that share a key for one sample, so the two would be read as one; give "
+                                             r"each sample a key of its own$"):
+            w.write({"__key__": "a/x", "png": b"2"})
+        w.write({"__key__": "a/y", "jpg": b"3"})
+        w.write({"__key__": "a/x", "jpg": b"4"})  # not in a row: two samples, as webdataset reads them
+    assert [k for s in webdataset_samples(str(tmp_path / "k-{0..1}.tar")) for k in [s["__key__"]]] == \
+        ["a/x", "a/y", "a/x"]
+    ds = aioload.WebDataset(str(tmp_path / "k-{0..1}.tar"), index_cache=False, decoders={}, check_members=False)
+    assert [ds.key(i) for i in range(len(ds))] == ["a/x", "a/y", "a/x"] and ds[0]["jpg"] == b"1"

@@ -14,7 +14,7 @@ import pytest
 import aioload
 from aioload._shards.index import SIDECAR, ShardIndex, _index_local
 from tests.httpserver import Server
-from tests.shards_data import image_samples, write_webdataset
+from tests.shards_data import image_samples, set_header_field, write_webdataset
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,6 +45,21 @@ def test_make_shards_writes_a_folder_tree_class_by_class(image_root, tmp_path):
     assert sorted(keys) == sorted(ds.key(i) for i in range(len(ds))) and keys != [ds.key(i) for i in range(48)]
 
 
+@pytest.mark.parametrize("first, second", [("x.jpg", "x.png"), ("y.z.jpg", "y_z.jpg")])
+def test_make_shards_refuses_two_files_of_one_key_naming_both(image_root, tmp_path, first, second):
+    src = tmp_path / "src"
+    (src / "cat").mkdir(parents=True)
+    jpeg = next(image_root.rglob("*.jpg")).read_bytes()
+    for name in (first, second, "other.jpg"):
+        (src / "cat" / name).write_bytes(jpeg)
+    done = aioload_cli("make-shards", str(src), str(tmp_path / "out"), cache=tmp_path)
+    key = "cat/" + first.rsplit(".", 1)[0].replace(".", "_")
+    assert done.returncode == 1
+    assert done.stderr == (f"error: {src}/cat/{first} and {src}/cat/{second} both make the sample key {key!r} (the "
+                           "path up to the file's extension, the dots in its name made '_'): a shard cannot hold two "
+                           "samples of one key; rename or remove one of them\n")
+    assert not (tmp_path / "out").exists()
+
 def test_index_writes_sidecars_for_shards_of_other_tools(image_root, tmp_path):
     pattern = write_webdataset(image_samples(image_root), tmp_path / "wds", 16)
     done = aioload_cli("index", pattern, cache=tmp_path / "cache")
@@ -58,6 +73,14 @@ def test_index_writes_sidecars_for_shards_of_other_tools(image_root, tmp_path):
     again = aioload_cli("index", pattern, cache=tmp_path / "other-cache")
     assert again.stdout.splitlines()[0].endswith(": 16 samples; its sidecar is up to date")
 
+
+def test_index_reports_a_header_with_a_negative_size_and_ends(image_root, tmp_path):
+    pattern = write_webdataset(image_samples(image_root)[:6], tmp_path / "wds", 6)
+    url = pattern.replace("{000000..000000}", "000000")
+    set_header_field(url, image_samples(image_root)[2][0] + ".jpg", 124, b"-0001000\0")
+    done = aioload_cli("index", pattern, cache=tmp_path / "cache")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{url}: 7 samples, 1 unreadable; wrote {url}{SIDECAR}\n"
 
 def test_index_over_http_fills_the_cache(image_root, tmp_path, monkeypatch):
     write_webdataset(image_samples(image_root), tmp_path / "www", 16)

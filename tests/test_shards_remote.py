@@ -6,6 +6,7 @@ shards hold, and what 5xx answers, missing and truncated shards and a hung serve
 from __future__ import annotations
 
 import gc
+import logging
 import re
 import shutil
 import subprocess
@@ -17,7 +18,8 @@ import torch
 import aioload
 from aioload._storage import scope as _scope
 from tests.httpserver import Server
-from tests.shards_data import fingerprint, image_samples, webdataset_reads, write_aioload, write_webdataset
+from tests.shards_data import (fingerprint, image_samples, rewrite_member, small_shard, webdataset_reads, write_aioload,
+                               write_webdataset)
 
 RETRY = aioload.RetryPolicy(attempts=2, backoff=0.01, timeout=10)
 
@@ -207,6 +209,20 @@ def test_a_shard_cut_short_after_indexing_fails_its_lost_samples_clearly(server,
                                                  rf"{ds.key(17)!r}: 0 of the sample's \d+ bytes \(from byte \d+\) "
                                                  r"came back: the shard is shorter than when it was indexed"):
         ds[17]
+
+
+def test_a_sidecar_of_another_tag_is_used_remotely_and_each_sample_checked(server, caplog):
+    path = small_shard(server.root_path)  # its sidecar records the local mtime; the server answers an ETag
+    rewrite_member(path, "s2.txt", b"text 2, longer", keep_mtime=False)  # written again, the same size
+    url = server.url("small-0.tar")
+    caplog.set_level(logging.INFO, logger="aioload")
+    ds = aioload.WebDataset(url, index_cache=False, storage=aioload.Storage(retry=RETRY))
+    assert any(r.getMessage() == "indexed 1 shards: 0 from the cache, 1 from sidecars, 0 read through"
+               for r in caplog.records)  # a pass would read the shard whole
+    assert ds[1]["txt"] == "text 1"
+    with pytest.raises(aioload.ShardError, match=rf"^shard {re.escape(url)}, sample 's2': member 's2\.txt' ends at "
+                                                 r"byte \d+, past the sample's range in the index"):
+        ds[2]
 
 
 @pytest.mark.timeout(60)

@@ -123,6 +123,29 @@ def test_a_bad_checksum_is_an_error_with_its_offset():
     assert info.value.offset == second
 
 
+def with_size_field(data: bytes, at: int, field: bytes) -> bytes:
+    """``data`` with the size field of the header at byte ``at`` replaced (checksum made again)."""
+    block = bytearray(data[at:at + tar.BLOCK])
+    block[124:136] = field.ljust(12, b"\0")
+    block[148:156] = b" " * 8
+    block[148:155] = f"{sum(block):06o}\0".encode()
+    return data[:at] + bytes(block) + data[at + tar.BLOCK:]
+
+
+@pytest.mark.parametrize("field", [b"-0001000", b"-1", b"\xff" * 12], ids=["octal", "minus-one", "base-256"])
+def test_a_negative_size_is_an_error_not_an_endless_walk(field):
+    data = with_size_field(archive([("a.jpg", b"1" * 600), ("b.jpg", b"2")]), 512 + tar.padded(600), field)
+    view = memoryview(data)
+    with pytest.raises(tar.TarError, match=rf"^the tar header at byte {512 + tar.padded(600)} has a negative size"):
+        list(tar.members(lambda o, n: view[o:o + n]))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        info = tarfile.TarInfo("a.jpg")
+        info.size, info.pax_headers = 1, {"size": "-9"}  # a PAX record's size
+        t.addfile(info, io.BytesIO(b"1"))
+    with pytest.raises(tar.TarError, match=r"^the PAX header before byte 1024 has a negative size"):
+        list(tar.members(lambda o, n, v=memoryview(buf.getvalue()): v[o:o + n]))
+
 def test_split_name_follows_webdataset():
     from webdataset.tariterators import base_plus_ext
 
@@ -192,6 +215,54 @@ def test_an_index_file_that_is_not_one_says_so():
     with pytest.raises(ShardError, match=r"^side\.json is not an aioload shard index \(.*\); delete it, or make "
                                          r"it again with `aioload index URL`$"):
         ShardIndex.from_json(b'{"format": "other"}', "side.json")
+
+
+GOOD = {"format": "aioload-shard-index/1", "size": 10240, "keys": ["a", "b", "c"], "starts": [0, 1024, 2048],
+        "ends": [515, 1541, 2563], "faults": {}}
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"starts": [0, 0, 2048], "ends": [515, 515, 2563]},
+     r"sample 1 \('b'\) begins at byte 0, before sample 0 \('a'\) ends \(byte 515\): the ranges overlap or are "
+     r"out of order"),
+    ({"starts": [1024, 0, 2048], "ends": [1541, 515, 2563]},
+     r"sample 1 \('b'\) begins at byte 0, before sample 0 \('a'\) ends \(byte 1541\): the ranges overlap or are "
+     r"out of order"),
+    ({"starts": [-512, 1024, 2048]}, r"sample 0 \('a'\) has the range -512-515, which does not begin at a tar "
+                                     r"header \(a multiple of 512\) or is empty"),
+    ({"starts": [0, 1000, 2048]}, r"sample 1 \('b'\) has the range 1000-1541, which does not begin at a tar header "
+                                  r"\(a multiple of 512\) or is empty"),
+    ({"ends": [515, 1541, 2**62]}, r"sample 2 \('c'\) ends at byte 4611686018427387904, past the shard's 10240 "
+                                   r"bytes"),
+    ({"keys": ["a", "a", "c"]}, r"samples 0 and 1 have the same key 'a' in a row \(readers make them one sample\)"),
+    ({"faults": {"3": "lost"}}, r"fault 3 is not at one of its 3 samples, or has no reason"),
+    ({"faults": {"-1": "lost"}}, r"fault -1 is not at one of its 3 samples, or has no reason"),
+    ({"starts": [0, "1024", 2048]}, r"sample 1 \('b'\) has a range that is not two integers \('1024', 1541\)"),
+    ({"ends": [515, 1541.5, 2563]}, r"sample 1 \('b'\) has a range that is not two integers \(1024, 1541\.5\)"),
+    ({"size": True}, r"its size True is not a number of bytes"),
+    ({"keys": ["a", "b"]}, r"its lists differ in length \(2 keys, 3 starts, 3 ends\)"),
+    ({"keys": ["a", 7, "c"]}, r"key 1 is not a string \(7\)"),
+])
+def test_a_damaged_index_file_is_refused_naming_it_and_the_fix(change, problem):
+    import json
+
+    assert ShardIndex.from_json(json.dumps(GOOD), "x.tar.index.json").keys == ["a", "b", "c"]
+    with pytest.raises(ShardError, match=rf"^/d/x\.tar\.index\.json is a damaged shard index: {problem}; delete "
+                                         r"it, or make it again with `aioload index /d/x\.tar`$"):
+        ShardIndex.from_json(json.dumps({**GOOD, **change}), "/d/x.tar.index.json")
+
+
+def test_every_index_a_pass_makes_passes_the_check():
+    import json
+
+    broken = bytearray(archive([("a.cls", b"1"), ("a.jpg", b"1" * 600), ("b.cls", b"2"), ("b.jpg", b"2")],
+                               mtime=1.5))
+    broken[4 * tar.BLOCK + 2] ^= 0x40  # a corrupt header splitting a sample
+    data = archive([("a.jpg", b"1"), ("a.JPG", b"2"), ("b.jpg", b"3" * 3000)])
+    for index in (index_of(bytes(broken)), index_of(data[:2000]), index_of(data)):  # split, truncated, twice
+        assert index.faults
+        assert ShardIndex.from_json(index.to_json(), "x") == index
+        assert json.loads(index.to_json())["keys"] == index.keys
 
 
 # -- shard patterns ----------------------------------------------------------------------------

@@ -30,6 +30,13 @@ HEAD_BYTES = 64 * 1024
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 """The largest ``moov`` box read for an index (an hour of 30 fps video takes about 2 MB)."""
 
+MAX_SAMPLES = MAX_INDEX_BYTES // 4
+"""The most samples a video track indexed here may have: as many as a ``moov`` of
+:data:`MAX_INDEX_BYTES` can list the sizes of (155 hours at 30 fps). Every count in the sample
+tables is bounded before anything is allocated: a table's entries by its own box's bytes, the
+samples by the size table's box (or, where every sample has one size, by the bytes of the file
+they must fit in), and the runs that the tables repeat by the samples."""
+
 _CONTAINERS = {b"moov", b"trak", b"mdia", b"minf", b"stbl", b"edts", b"dinf"}
 
 
@@ -95,15 +102,26 @@ def _full(data: bytes, start: int) -> tuple[int, int]:
     return data[start], start + 4
 
 
-def _table(data: bytes, start: int, fields: int, signed: bool = False) -> np.ndarray:
-    """A sample table after its version/flags and entry count: ``(entries, fields)`` uint32."""
+def _table(data: bytes, box: tuple[int, int], fields: int, dtype: str = ">u4") -> np.ndarray:
+    """A sample table after its version/flags and entry count: ``(entries, fields)`` int64.
+    ``box``: the table's body, ``(start, stop)``, which must hold every entry it counts."""
+    start, stop = box
     _, pos = _full(data, start)
+    if pos + 4 > stop:
+        raise NotIndexed(f"a sample table's box of {stop - start} bytes is cut short")
     (count,) = struct.unpack_from(">I", data, pos)
-    dtype = ">i4" if signed else ">u4"
-    need = count * fields * 4
-    if pos + 4 + need > len(data):
-        raise NotIndexed("a sample table runs past the end of its box")
+    width = np.dtype(dtype).itemsize * fields
+    if count * width > stop - (pos + 4):
+        raise NotIndexed(f"a sample table counts {count} entries, more than its box of {stop - start} bytes holds")
     return np.frombuffer(data, dtype=dtype, count=count * fields, offset=pos + 4).reshape(count, fields).astype(np.int64)
+
+
+def _runs(values: np.ndarray, lengths: np.ndarray, total: int) -> np.ndarray:
+    """``values[i]`` repeated ``lengths[i]`` times, the first ``total`` of them at most: a run
+    length in a table is the file's word, and is cut where the samples end before it counts."""
+    lengths = np.maximum(lengths, 0)
+    before = np.cumsum(lengths) - lengths
+    return np.repeat(values, np.clip(total - before, 0, lengths))
 
 
 @dataclass
@@ -145,9 +163,9 @@ class TrackIndex:
         return int(self.offsets[chosen].min()), int((self.offsets[chosen] + self.sizes[chosen]).max())
 
 
-def _track(data: bytes, start: int, end: int) -> TrackIndex | None:
+def _track(data: bytes, start: int, end: int, file_size: int) -> TrackIndex | None:
     """The index of a ``trak`` box if it is a video track, else ``None``."""
-    found: dict[bytes, int] = {}
+    found: dict[bytes, tuple[int, int]] = {}  # each table's body: (start, stop)
     handler = None
 
     def walk(lo: int, hi: int) -> None:
@@ -157,10 +175,8 @@ def _track(data: bytes, start: int, end: int) -> TrackIndex | None:
                 walk(body, stop)
             elif kind == b"hdlr":
                 handler = data[body + 8:body + 12]
-            elif kind == b"stsd":
-                found[kind] = body
-            elif kind in (b"stts", b"ctts", b"stss", b"stsz", b"stz2", b"stsc", b"stco", b"co64"):
-                found[kind] = body
+            elif kind in (b"stsd", b"stts", b"ctts", b"stss", b"stsz", b"stz2", b"stsc", b"stco", b"co64"):
+                found[kind] = (body, stop)
 
     walk(start, end)
     if handler != b"vide":
@@ -173,30 +189,37 @@ def _track(data: bytes, start: int, end: int) -> TrackIndex | None:
     if b"stco" not in found and b"co64" not in found:
         raise NotIndexed("the video track has no chunk offsets (stco/co64)")
     # sizes
-    _, pos = _full(data, found[b"stsz"])
+    body, stop = found[b"stsz"]
+    _, pos = _full(data, body)
+    if pos + 8 > stop:
+        raise NotIndexed(f"the sample size table's box of {stop - body} bytes is cut short")
     uniform, count = struct.unpack_from(">II", data, pos)
     if count == 0:
         raise NotIndexed("the video track's sample tables are empty (a fragmented MP4)")
+    if count > MAX_SAMPLES:
+        raise NotIndexed(f"the video track counts {count} samples, more than {MAX_SAMPLES} indexed here")
     if uniform:
+        if count * uniform > file_size:
+            raise NotIndexed(f"the video track's {count} samples of {uniform} bytes do not fit in the file's "
+                             f"{file_size} bytes")
         sizes = np.full(count, uniform, dtype=np.int64)
     else:
-        if pos + 8 + 4 * count > len(data):
+        if pos + 8 + 4 * count > stop:
             raise NotIndexed("the sample size table runs past the end of its box")
         sizes = np.frombuffer(data, ">u4", count, pos + 8).astype(np.int64)
     # chunk offsets and the samples in each chunk
     if b"co64" in found:
-        _, pos = _full(data, found[b"co64"])
-        (chunks,) = struct.unpack_from(">I", data, pos)
-        chunk_offsets = np.frombuffer(data, ">u8", chunks, pos + 4).astype(np.int64)
+        chunk_offsets = _table(data, found[b"co64"], 1, ">u8")[:, 0]
     else:
         chunk_offsets = _table(data, found[b"stco"], 1)[:, 0]
     stsc = _table(data, found[b"stsc"], 3)
-    if len(stsc) == 0 or len(chunk_offsets) == 0:
+    chunks = len(chunk_offsets)
+    if len(stsc) == 0 or chunks == 0:
         raise NotIndexed("the video track has no chunks")
-    firsts = stsc[:, 0] - 1
-    lasts = np.append(firsts[1:], len(chunk_offsets))
-    per_chunk = np.repeat(stsc[:, 1], np.maximum(0, lasts - firsts))[:len(chunk_offsets)]
-    chunk_of = np.repeat(np.arange(len(per_chunk)), per_chunk)[:count]
+    firsts = np.clip(stsc[:, 0] - 1, 0, chunks)
+    lasts = np.clip(np.append(firsts[1:], chunks), 0, chunks)
+    per_chunk = _runs(stsc[:, 1], lasts - firsts, chunks)
+    chunk_of = _runs(np.arange(len(per_chunk)), per_chunk, count)
     if len(chunk_of) < count:
         raise NotIndexed("the chunk tables hold fewer samples than the size table")
     ends = np.cumsum(sizes)
@@ -205,14 +228,14 @@ def _track(data: bytes, start: int, end: int) -> TrackIndex | None:
     offsets = chunk_offsets[chunk_of] + before
     # timing
     stts = _table(data, found[b"stts"], 2)
-    deltas = np.repeat(stts[:, 1], stts[:, 0])[:count]
+    deltas = _runs(stts[:, 1], stts[:, 0], count)
     if len(deltas) < count:
         deltas = np.concatenate([deltas, np.full(count - len(deltas), deltas[-1] if len(deltas) else 1)])
     dts = np.concatenate([[0], np.cumsum(deltas)[:-1]])
     cts = dts
     if b"ctts" in found:
-        ctts = _table(data, found[b"ctts"], 2, signed=True)
-        shifts = np.repeat(ctts[:, 1], np.maximum(0, ctts[:, 0]))[:count]
+        ctts = _table(data, found[b"ctts"], 2, ">i4")
+        shifts = _runs(ctts[:, 1], ctts[:, 0], count)
         if len(shifts) == count:
             cts = dts + shifts
     if b"stss" in found:
@@ -223,17 +246,23 @@ def _track(data: bytes, start: int, end: int) -> TrackIndex | None:
             sync[0] = True
     else:
         sync = np.ones(count, dtype=bool)
-    entry = found[b"stsd"] + 8  # version/flags, entry count, then the first entry's size
-    codec = data[entry + 4:entry + 8].decode("latin-1", "replace") if entry + 8 <= len(data) else "?"
+    entry = found[b"stsd"][0] + 8  # version/flags, entry count, then the first entry's size
+    codec = data[entry + 4:entry + 8].decode("latin-1", "replace") if entry + 8 <= found[b"stsd"][1] else "?"
     return TrackIndex(offsets, sizes, sync, cts, codec)
 
 
-def video_tracks(moov: bytes) -> list[TrackIndex]:
-    """The indexes of the video tracks in a ``moov`` box (the box itself, header included)."""
+def video_tracks(moov: bytes, file_size: int) -> list[TrackIndex]:
+    """The indexes of the video tracks in a ``moov`` box (the box itself, header included) of
+    a file of ``file_size`` bytes. What is no index this module can use (a table cut short or
+    counting more than its box holds, say) raises :class:`NotIndexed`."""
     box = box_at(moov, 0)
     if box is None or box.kind != b"moov":
         raise NotIndexed("no moov box")
-    tracks = [_track(moov, body, stop) for kind, body, stop in children(moov, box.header, len(moov)) if kind == b"trak"]
+    try:
+        tracks = [_track(moov, body, stop, file_size)
+                  for kind, body, stop in children(moov, box.header, len(moov)) if kind == b"trak"]
+    except struct.error as exc:  # a box cut short before its fields
+        raise NotIndexed(f"a box of the moov is cut short ({exc})") from None
     found = [t for t in tracks if t is not None]
     if not found:
         raise NotIndexed("the file has no video track")

@@ -190,7 +190,7 @@ async def probe_remote(storage, url: str, head: bytes | None = None) -> RemoteIn
     if moov is None or size is None:
         return None
     try:
-        tracks = video_tracks(moov)
+        tracks = video_tracks(moov, size)
     except NotIndexed:
         return None
     info = info_of(_decoders.open_video(Sparse(size, pieces), url))

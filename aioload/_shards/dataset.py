@@ -28,6 +28,7 @@ training sample (``decode=``, or :func:`decode_sample` by default).
 
 from __future__ import annotations
 
+import collections
 import logging
 import operator
 import os
@@ -106,6 +107,23 @@ def _positive(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+def _usual_members(indexes) -> tuple[list[str], int] | None:
+    """The members (extensions, sorted) most samples have, and how many have them; ``None``
+    where an index did not record its samples' members. Faults do not count."""
+    if any(len(ix.members) != len(ix) for ix in indexes):
+        return None
+    counts: collections.Counter[str] = collections.Counter()
+    for ix in indexes:
+        if ix.faults:
+            counts.update(m for pos, m in enumerate(ix.members) if pos not in ix.faults)
+        else:
+            counts.update(ix.members)
+    if not counts:
+        return None
+    usual, count = counts.most_common(1)[0]  # a tie: the set met first, in the shards' order
+    return usual.split(",") if usual else [], count
+
+
 class WebDataset(Dataset):
     """WebDataset tar shards as a map-style dataset: exact order, resume and rank splits.
 
@@ -134,6 +152,12 @@ class WebDataset(Dataset):
       shard in window mode must fit it), credentials (``storage_options``), a cache.
     * ``index_cache`` -- where shard indexes are kept between runs: ``True`` (default:
       ``$AIOLOAD_CACHE/shard-index``), a folder, or ``False``.
+    * ``check_members`` -- with the default ``decode``: a sample whose members (extensions)
+      are not those most samples have raises :class:`aioload.ShardError` naming it, since a
+      batch that holds it cannot be collated by default (``on_error="skip"`` then leaves out
+      that sample alone). The members come from the indexes (indexes made before they recorded
+      them are not checked). Turn it off for a ``collate_fn`` that joins samples of different
+      members.
 
     The indexes are found or built here, at construction: from the cache, from a sidecar
     ``<shard>.index.json`` (:class:`aioload.ShardWriter` and ``aioload index URLS`` write
@@ -149,7 +173,7 @@ class WebDataset(Dataset):
                  decode: Callable[[dict[str, Any]], Any] | None = None, *,
                  window: int | None = None, fetch_ahead: int = 2, window_dir: str | os.PathLike | None = None,
                  decoders: Mapping[str, Decoder] | None = None, storage: Storage | None = None,
-                 index_cache: bool | str | os.PathLike = True):
+                 index_cache: bool | str | os.PathLike = True, check_members: bool = True):
         _positive("window", window, allow_none=True)
         if isinstance(fetch_ahead, bool) or not isinstance(fetch_ahead, int) or fetch_ahead < 0:
             raise ValueError(f"fetch_ahead must be an int >= 0, got {fetch_ahead!r}")
@@ -161,6 +185,7 @@ class WebDataset(Dataset):
             raise TypeError(f"storage must be an aioload.Storage, got {type(storage).__name__}")
         self.storage = storage if storage is not None else Storage()
         self._decode_fn = decode
+        self.check_members = bool(check_members)
         if decode is None:  # the default decodes images: workers forked from here inherit the decoder
             from aioload.images import torchcodec_images
 
@@ -191,6 +216,7 @@ class WebDataset(Dataset):
         self._ends = np.array([e for ix in indexes for e in ix.ends], dtype=np.int64)
         self._keys = StringList(k for ix in indexes for k in ix.keys)
         self._faults = {int(self._first[s]) + pos: why for s, ix in enumerate(indexes) for pos, why in ix.faults.items()}
+        self._members = _usual_members(indexes)
         n = int(self._first[-1])
         # a shard on a local disk is read by the worker that decodes it, just before (no request)
         self._local = _on_local_disk(urls) if self.storage.cache is None else np.zeros(len(urls), dtype=np.bool_)
@@ -334,28 +360,61 @@ class WebDataset(Dataset):
             raise ShardError(f"shard {url}, sample {key!r}: {len(data)} of the sample's {end - start} bytes "
                              f"(from byte {start}) came back: the shard is shorter than when it was indexed "
                              f"(truncated, or written again); index it again: `aioload index {url}`")
+        again = f"index it again: `aioload index {url}`"
         sample: dict[str, Any] = {"__key__": key, "__url__": url}
         view = memoryview(data)
+        last = start  # where the last member's data ends: the range's end, if the index is this shard's
         try:
-            for member in tar.members_of(view):
+            for member in tar.members_of(view, start):
+                if member.end > end:
+                    raise ShardError(f"shard {url}, sample {key!r}: member {member.name!r} ends at byte {member.end}, "
+                                     f"past the sample's range in the index (bytes {start} to {end}): the shard was "
+                                     f"written again since it was indexed, or its index is damaged; {again}")
+                last = member.end
                 parts = tar.split_name(member.name) if member.regular else None
                 if parts is None:
                     continue
                 if parts[0] != key:
-                    raise ShardError(f"shard {url}, sample {key!r}: at byte {start + member.start} the shard holds "
+                    raise ShardError(f"shard {url}, sample {key!r}: at byte {member.start} the shard holds "
                                      f"{member.name!r}, not a member of this sample: it was written again since "
-                                     f"it was indexed; index it again: `aioload index {url}`")
-                sample[parts[1]] = bytes(view[member.offset:member.end])
+                                     f"it was indexed; {again}")
+                sample[parts[1]] = bytes(view[member.offset - start:member.end - start])
         except tar.TarError as exc:
-            raise ShardError(f"shard {url}, sample {key!r}: {exc} (at byte {start + exc.offset} of the shard): "
-                             "the shard is corrupt, or was written again since it was indexed") from None
+            raise ShardError(f"shard {url}, sample {key!r}: {exc}; the shard is corrupt, or was written again since "
+                             f"it was indexed ({again})") from None
+        if last != end:
+            raise ShardError(f"shard {url}, sample {key!r}: its members end at byte {last}, its range in the index at "
+                             f"byte {end}: the shard was written again since it was indexed, or its index is "
+                             f"damaged; {again}")
         return sample
 
     def decode(self, raw: tuple[Any, int]) -> Any:
         sample = self.members(raw)
         if self._decode_fn is not None:
             return self._decode_fn(sample)
+        if self.check_members:
+            self._check_members(sample)
         return decode_sample(sample, self._decoders if self._decoders is not None else type(self).decoders)
+
+    def _check_members(self, sample: dict[str, Any]) -> None:
+        """Raise :class:`ShardError` for a sample whose members are not the usual ones: the
+        default collate would fail its whole batch without naming it (or drop a member)."""
+        if self._members is None:
+            return
+        usual, count = self._members
+        have = sorted(ext for ext in sample if not (ext.startswith("__") and ext.endswith("__")))
+        if have == usual:
+            return
+        missing = [ext for ext in usual if ext not in have]
+        extra = [ext for ext in have if ext not in usual]
+        what = "; ".join(part for part in (f"it lacks {', '.join(map(repr, missing))}" if missing else "",
+                                           f"it has {', '.join(map(repr, extra))} besides" if extra else "") if part)
+        raise ShardError(f"shard {sample['__url__']}, sample {sample['__key__']!r} has the members "
+                         f"{', '.join(map(repr, have)) or 'none'} where {count} of the dataset's {len(self)} samples "
+                         f"have {', '.join(map(repr, usual))} ({what}): a batch holding it cannot be collated by "
+                         "default; pass on_error='skip' to the DataLoader to leave such samples out, give "
+                         "WebDataset a decode= that makes them alike, or check_members=False for a collate_fn that "
+                         "joins them")
 
     # -- statistics -----------------------------------------------------------------------------
     def io_figures(self) -> dict[str, Any]:

@@ -12,8 +12,12 @@ Where an index comes from, cheapest first (:class:`Indexer`):
    (:mod:`aioload._shards.probe`: size and ETag or mtime), so a shard written again is indexed
    again;
 2. a sidecar ``<shard>.index.json`` beside the shard (``aioload.ShardWriter`` writes one,
-   ``aioload index URLS`` makes them for shards written by other tools), used when the size
-   it records is the shard's;
+   ``aioload index URLS`` makes them for shards written by other tools), checked in full when
+   loaded (:meth:`ShardIndex.check`) and used when the version it records is the shard's: the
+   size, and the tag (ETag or mtime) too where it has one. A sidecar of the same size and
+   another tag (the shard was copied, uploaded, or written again in place) is used for a
+   remote shard, whose pass would read it whole, and not for a local one, whose pass reads
+   its headers only;
 3. one sequential pass over the shard: a local file's headers are read where they are (a
    read per member, the data skipped); a remote shard is read whole, once (bounded by the
    storage's ``max_bytes``).
@@ -24,6 +28,11 @@ truncated shard (the member that runs past the end), a member present twice in o
 a corrupt header (a placeholder for whatever the corrupt stretch held; the pass goes on at
 the next good header). A shard that is not a tar at all, or is compressed, raises
 :class:`ShardError` at once.
+
+Whichever index is used, each sample's read checks it against the shard
+(:meth:`aioload.WebDataset.members`): the headers in the range must name the sample's key, and
+its members must end exactly where the range ends, so that an index that is not the shard's
+raises :class:`ShardError` instead of handing over other bytes.
 """
 
 from __future__ import annotations
@@ -60,38 +69,99 @@ class ShardError(ValueError):
 class ShardIndex:
     """One shard's samples: ``keys[i]`` and its bytes ``starts[i]:ends[i]``; ``faults[i]``
     says why sample ``i`` cannot be read (its key may then be empty). ``size``: the shard's
-    bytes when indexed."""
+    bytes when indexed; ``tag``: its version's tag then (:class:`probe.Version`; empty where
+    unknown), which tells a sidecar of a shard written again with the same size.
+    ``members[i]``: sample ``i``'s extensions, sorted, joined by ``,`` (empty list: not
+    recorded, as in indexes made before it was)."""
 
     size: int
     keys: list[str] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
     faults: dict[int, str] = field(default_factory=dict)
+    tag: str = field(default="", compare=False)
+    members: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def to_json(self) -> str:
-        return json.dumps({"format": FORMAT, "size": self.size, "keys": self.keys, "starts": self.starts,
-                           "ends": self.ends, "faults": {str(k): v for k, v in self.faults.items()}},
+        return json.dumps({"format": FORMAT, "size": self.size, "tag": self.tag, "keys": self.keys,
+                           "starts": self.starts, "ends": self.ends,
+                           "faults": {str(k): v for k, v in self.faults.items()}, "members": self.members},
                           separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> "ShardIndex":
+        """The index in ``text`` (a sidecar, or a file of the cache, at ``where``), checked in
+        full (:meth:`check`): a damaged or hand-edited one raises :class:`ShardError`."""
         try:
             data = json.loads(text)
             if not isinstance(data, dict) or data.get("format") != FORMAT:
                 raise ValueError(f"its format is not {FORMAT!r}")
-            index = cls(int(data["size"]), list(data["keys"]), [int(x) for x in data["starts"]],
-                        [int(x) for x in data["ends"]], {int(k): str(v) for k, v in data["faults"].items()})
+            faults = data["faults"]
+            if not isinstance(faults, dict):
+                raise ValueError("its faults are not an object")
+            index = cls(data["size"], data["keys"], data["starts"], data["ends"],
+                        {int(k): v for k, v in faults.items()}, data.get("tag", ""), data.get("members", []))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ShardError(f"{where} is not an aioload shard index ({exc}); delete it, or make it again "
-                             "with `aioload index URL`") from None
-        n = len(index.keys)
-        if len(index.starts) != n or len(index.ends) != n or not all(isinstance(k, str) for k in index.keys):
-            raise ShardError(f"{where} is not an aioload shard index (its lists differ in length); delete it, "
-                             "or make it again with `aioload index URL`")
+            raise ShardError(f"{where} is not an aioload shard index ({exc}); {_remedy(where)}") from None
+        index.check(where)
         return index
+
+    def check(self, where: str) -> None:
+        """Raise :class:`ShardError` unless this is an index a pass over a tar can make: every
+        number an int, the lists of one length, the ranges on 512-byte boundaries, in order,
+        apart and inside the shard (a truncated sample's, a fault, may run past its end), no
+        two samples in a row with one key (readers would make them one), faults at samples."""
+        problem = _problem(self)
+        if problem is not None:
+            raise ShardError(f"{where} is a damaged shard index: {problem}; {_remedy(where)}")
+
+
+def _remedy(where: str) -> str:
+    shard = where[:-len(SIDECAR)] if where.endswith(SIDECAR) else "URL"
+    return f"delete it, or make it again with `aioload index {shard}`"
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _problem(index: ShardIndex) -> str | None:
+    """What makes ``index`` one that no pass over a tar makes, or ``None``."""
+    size, keys, starts, ends, faults = index.size, index.keys, index.starts, index.ends, index.faults
+    if not _is_int(size) or size < 0:
+        return f"its size {size!r} is not a number of bytes"
+    if not isinstance(index.tag, str):
+        return f"its tag {index.tag!r} is not a string"
+    if not all(isinstance(x, list) for x in (keys, starts, ends)):
+        return "its keys, starts and ends are not lists"
+    if not len(keys) == len(starts) == len(ends):
+        return f"its lists differ in length ({len(keys)} keys, {len(starts)} starts, {len(ends)} ends)"
+    members = index.members
+    if not isinstance(members, list) or (members and len(members) != len(keys)) \
+            or not all(isinstance(m, str) for m in members):
+        return f"its members are not one string per sample ({len(keys)} samples)"
+    for i, (key, start, end) in enumerate(zip(keys, starts, ends)):
+        if not isinstance(key, str):
+            return f"key {i} is not a string ({key!r})"
+        if not (_is_int(start) and _is_int(end)):
+            return f"sample {i} ({key!r}) has a range that is not two integers ({start!r}, {end!r})"
+        if start < 0 or start % tar.BLOCK or end <= start:
+            return (f"sample {i} ({key!r}) has the range {start}-{end}, which does not begin at a tar header "
+                    f"(a multiple of {tar.BLOCK}) or is empty")
+        if i and start < ends[i - 1]:
+            return (f"sample {i} ({key!r}) begins at byte {start}, before sample {i - 1} ({keys[i - 1]!r}) ends "
+                    f"(byte {ends[i - 1]}): the ranges overlap or are out of order")
+        if i and key and key == keys[i - 1]:
+            return f"samples {i - 1} and {i} have the same key {key!r} in a row (readers make them one sample)"
+        if end > size and i not in faults:
+            return f"sample {i} ({key!r}) ends at byte {end}, past the shard's {size} bytes"
+    for pos, why in faults.items():
+        if not 0 <= pos < len(keys) or not isinstance(why, str):
+            return f"fault {pos} is not at one of its {len(keys)} samples, or has no reason"
+    return None
 
 
 # -- one pass over an archive ------------------------------------------------------------------
@@ -118,6 +188,7 @@ class _Samples:
             index.keys.append(key)
             index.starts.append(member.start)
             index.ends.append(member.end)
+            index.members.append("")
             self.exts = set()
             self.open = True
         pos = len(index.keys) - 1
@@ -125,6 +196,7 @@ class _Samples:
             index.faults.setdefault(pos, f"sample {key!r} holds two members with the extension {ext!r} "
                                          f"(the second is {member.name!r}, at byte {member.start})")
         self.exts.add(ext)
+        index.members[pos] = ",".join(sorted(self.exts))
         index.ends[pos] = member.end
         if member.end > index.size:
             index.faults.setdefault(pos, f"the shard is truncated: member {member.name!r} needs bytes up to "
@@ -152,6 +224,7 @@ class _Samples:
         index.keys.append("")
         index.starts.append(at)
         index.ends.append(until)
+        index.members.append("")
         self.open = False
 
 
@@ -195,6 +268,30 @@ def _index_local(path: str, url: str) -> ShardIndex:
 
 
 # -- where an index comes from -----------------------------------------------------------------
+def _content_tag(tag: str) -> str:
+    """The part of a version's tag that changes with the content: a local file's mtime, not its
+    inode, which a copy that keeps the mtime (``cp -a``, ``rsync -a``) changes too."""
+    return tag.split(" ino=", 1)[0] if tag.startswith("mtime_ns=") else tag
+
+
+def _sidecar_fits(index: ShardIndex, version: probe.Version, url: str, where: str) -> bool:
+    """Whether the sidecar ``index`` (at ``where``) is used for the shard at ``url`` as it is
+    now (``version``): see the module's docstring."""
+    if index.size != version.size:
+        logger.info("the sidecar %s describes %d bytes, the shard has %d: indexing the shard itself",
+                    where, index.size, version.size)
+        return False
+    if not index.tag or _content_tag(index.tag) == _content_tag(version.tag):
+        return True
+    if locate(url)[0] == "local":
+        logger.info("the sidecar %s was written for another version of the shard (%s; now %s): indexing the "
+                    "shard itself", where, index.tag, version.tag)
+        return False
+    logger.info("the sidecar %s was written for another version of the shard (%s; now %s), of its size: used, "
+                "each sample's headers are checked as it is read", where, index.tag, version.tag)
+    return True
+
+
 class IndexCache:
     """Indexes kept in a local folder, one file per shard version."""
 
@@ -273,6 +370,7 @@ class Indexer:
             if index.size != version.size:
                 raise ShardError(f"shard {url} changed while it was indexed ({version.size} bytes, then "
                                  f"{index.size}); index it again when it is complete")
+            index.tag = version.tag
         if self.cache is not None:
             self.cache.put(url, version, index)
         return Indexed(url, index, source, version)
@@ -284,13 +382,9 @@ class Indexer:
         except FileNotFoundError:
             return None
         index = ShardIndex.from_json(text, where)
-        if index.size != version.size:
-            logger.info("the sidecar %s describes %d bytes, the shard has %d: indexing the shard itself",
-                        where, index.size, version.size)
-            return None
-        return index
+        return index if _sidecar_fits(index, version, url, where) else None
 
-    async def _scan(self, url: str) -> ShardIndex:
+    async def _scan(self, url: str) -> ShardIndex:  # its version's tag is set by one()
         kind, where = locate(url)
         if kind == "local":
             return await asyncio.to_thread(_index_local, where, url)

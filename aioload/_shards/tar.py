@@ -72,9 +72,9 @@ def padded(size: int) -> int:
 
 
 def _number(field: bytes, what: str, at: int) -> int:
-    if field and field[0] & 0x80:  # base-256 (GNU, star): big-endian, the top bit a flag
-        value = int.from_bytes(field, "big") & ~(0x80 << (8 * (len(field) - 1)))
-        return value
+    if field and field[0] in (0x80, 0xFF):  # base-256 (GNU, star): big-endian after a flag byte, 0xff negative
+        value = int.from_bytes(field[1:], "big")
+        return value - 256 ** (len(field) - 1) if field[0] == 0xFF else value
     text = field.split(b"\0", 1)[0].strip(b" ")
     if not text:
         return 0
@@ -108,6 +108,8 @@ def _header(block: bytes, at: int) -> tuple[str, bytes, int]:
             name = f"{prefix}/{name}"
     kind = block[156:157]
     size = _number(block[124:136], "size", at)
+    if size < 0:  # it would send the walk backwards, for ever
+        raise TarError(f"the tar header at byte {at} has a negative size ({size}): a corrupt header", at)
     return name, kind, size
 
 
@@ -177,6 +179,9 @@ def members(read_at: Callable[[int, int], bytes], start: int = 0, stop: int | No
                 size = int(pax["size"])
             except ValueError:
                 raise TarError(f"the PAX header before byte {pos} has an unreadable size", pos) from None
+            if size < 0:
+                raise TarError(f"the PAX header before byte {pos} has a negative size ({size}): a corrupt header",
+                               pos)
         if kind in _NO_DATA:
             size = 0
         yield Member(name, kind in _REGULAR, first, data, size)
@@ -184,10 +189,11 @@ def members(read_at: Callable[[int, int], bytes], start: int = 0, stop: int | No
         first, long_name, pax = None, None, {}
 
 
-def members_of(data: bytes | memoryview) -> Iterator[Member]:
-    """The members in the bytes of one sample's range (offsets relative to it)."""
+def members_of(data: bytes | memoryview, base: int = 0) -> Iterator[Member]:
+    """The members in the bytes of one sample's range, which starts at byte ``base`` of the
+    archive: offsets (the members' and the errors') are the archive's."""
     view = memoryview(data)
-    return members(lambda offset, n: view[offset:offset + n], 0, len(view))
+    return members(lambda offset, n: view[offset - base:offset - base + n], base, base + len(view))
 
 
 def resync(read_at: Callable[[int, int], bytes], after: int, size: int) -> int | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import tarfile
 from typing import Any, Mapping
@@ -24,6 +25,8 @@ from typing import Any, Mapping
 from aioload._shards import tar
 from aioload._shards.index import SIDECAR, ShardIndex
 from aioload._storage.storage import locate
+
+logger = logging.getLogger("aioload")
 
 
 def _encoded(key: str, ext: str, value: Any) -> bytes:
@@ -114,6 +117,8 @@ class ShardWriter:
         self._file = None
         self._publish = None
         self._entries: ShardIndex | None = None
+        self._storage = None  # asks the store for each shard's version, once it is written
+        self._last: tuple[str, list[str]] | None = None  # the last sample's key and member names
         self.count = 0  # samples in the current shard
         self.size = 0  # member bytes in the current shard
         self.total = 0  # samples written in all
@@ -145,6 +150,11 @@ class ShardWriter:
                 raise ValueError(f"sample {key!r} cannot be stored with the member {ext!r}: readers take the key up to "
                                  "the first dot of the file name; keep dots out of the key's last part and '/' "
                                  "out of extensions, and do not start a key with '__'")
+        names = [f"{key}.{ext}" for ext, _ in members]
+        if self._last is not None and self._last[0] == key:
+            raise ValueError(f"sample {key!r} ({', '.join(names)}) has the key of the sample written just before it "
+                             f"({', '.join(self._last[1])}): readers take the members in a row that share a key for "
+                             "one sample, so the two would be read as one; give each sample a key of its own")
         if self._tar is None or self.count >= self.maxcount or self.size >= self.maxsize:
             self._next_shard()
         archive, entries = self._tar, self._entries
@@ -158,10 +168,12 @@ class ShardWriter:
             self.size += len(data)
         last = len(members[-1][1])
         entries.keys.append(key)
+        entries.members.append(",".join(sorted(ext.lower() for ext, _ in members)))
         entries.starts.append(start)
         entries.ends.append(archive.offset - (tar.padded(last) - last))
         self.count += 1
         self.total += 1
+        self._last = (key, names)
 
     def _finish(self) -> None:
         """Close the current shard (its end blocks), make it visible, write its sidecar."""
@@ -175,7 +187,26 @@ class ShardWriter:
         self._publish()
         if self.index and self._entries is not None:
             self._entries.size = size
+            self._entries.tag = self._tag(self.urls[-1], size)
             write_sidecar(self.urls[-1], self._entries, self.storage_options)
+
+    def _tag(self, url: str, size: int) -> str:
+        """The tag of the shard just written (its mtime, or the store's ETag), which its sidecar
+        records so that readers tell it from a shard written again with the same size; empty
+        where the store does not say (the sidecar then holds for any shard of its size)."""
+        from aioload._shards import probe
+        from aioload._storage.scope import run_blocking
+        from aioload._storage.storage import Storage
+
+        if self._storage is None:
+            self._storage = Storage(storage_options=self.storage_options)
+        storage = self._storage
+        try:
+            version = run_blocking(lambda: probe.version(storage, url))
+        except Exception as exc:  # noqa: BLE001 - a store that cannot say costs the check, not the shard
+            logger.info("no version tag for %s in its sidecar (%s: %s)", url, type(exc).__name__, exc)
+            return ""
+        return version.tag if version.size == size else ""
 
     def close(self) -> None:
         """Finish the last shard. Idempotent."""
@@ -198,12 +229,35 @@ def folder_samples(src: str, storage_options: Mapping[str, Any] | None = None) -
     return folder.classes, folder.samples
 
 
+def folder_keys(src: str, samples: list[tuple[str, int]]) -> list[str]:
+    """Each sample's key in a class-per-folder tree at ``src``: ``<class>/<file name up to its
+    extension>``, the file name's dots made ``_`` (readers end a key at its first dot). Two
+    files that make one key (``x.jpg`` and ``x.png``; ``y.z.jpg`` and ``y_z.jpg``) raise
+    ``ValueError`` naming both: their samples could not be told apart."""
+    base = src.rstrip("/") + "/"
+    keys: list[str] = []
+    seen: dict[str, str] = {}
+    for path, _ in samples:
+        rel = path[len(base):] if path.startswith(base) else os.path.relpath(path, src)
+        stem = rel.rpartition(".")[0]
+        folder, slash, base_name = stem.rpartition("/")
+        key = folder + slash + base_name.replace(".", "_")
+        if key in seen:
+            raise ValueError(f"{seen[key]} and {path} both make the sample key {key!r} (the path up to the file's "
+                             "extension, the dots in its name made '_'): a shard cannot hold two samples of one key; "
+                             "rename or remove one of them")
+        seen[key] = path
+        keys.append(key)
+    return keys
+
+
 def convert_folder(src: str, dest: str, *, name: str = "train", maxcount: int = 1000, maxsize: float = 3e9,
                    shuffle_seed: int | None = None, storage_options: Mapping[str, Any] | None = None,
                    progress=None) -> ShardWriter:
     """Write a class-per-folder tree into shards ``dest/<name>-%06d.tar``: one sample per
     image, key ``<class>/<file name without extension>``, the image under its own extension
-    and its class index as ``cls``. In ImageFolder's order (class by class), or shuffled with
+    and its class index as ``cls`` (two files of one key: ``ValueError``, see
+    :func:`folder_keys`). In ImageFolder's order (class by class), or shuffled with
     ``shuffle_seed``. ``progress(n)`` is called after each sample. Returns the closed writer."""
     import random
 
@@ -212,15 +266,12 @@ def convert_folder(src: str, dest: str, *, name: str = "train", maxcount: int = 
     classes, samples = folder_samples(src, storage_options)
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(samples)
+    keys = folder_keys(src, samples)  # before any shard is written
     storage = Storage(storage_options=storage_options)
     pattern = dest.rstrip("/") + f"/{name}-%06d.tar"
-    base = src.rstrip("/") + "/"
     with ShardWriter(pattern, maxcount=maxcount, maxsize=maxsize, storage_options=storage_options) as writer:
-        for path, target in samples:
-            rel = path[len(base):] if path.startswith(base) else os.path.relpath(path, src)
-            stem, _, ext = rel.rpartition(".")
-            folder, slash, base_name = stem.rpartition("/")
-            key = folder + slash + base_name.replace(".", "_")  # the key ends at a file name's first dot
+        for key, (path, target) in zip(keys, samples):
+            ext = path.rpartition(".")[2]
             writer.write({"__key__": key, ext.lower(): read_bytes_blocking(path, storage), "cls": target})
             if progress is not None:
                 progress(1)

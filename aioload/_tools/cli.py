@@ -306,10 +306,15 @@ def _storage_options(text: str | None) -> dict:
 
 
 def make_shards_command(args: argparse.Namespace) -> int:
-    from aioload._shards.writer import convert_folder, folder_samples
+    from aioload._shards.writer import convert_folder, folder_keys, folder_samples
 
     options = _storage_options(args.storage_options)
-    total = len(folder_samples(args.src, options)[1])
+    samples = folder_samples(args.src, options)[1]
+    try:
+        folder_keys(args.src, samples)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    total = len(samples)
     bar = None
     if sys.stderr.isatty():  # a bar on a terminal; a log or a pipe gets the summary alone
         from aioload._observe.monitor import tqdm_class
