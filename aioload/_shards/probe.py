@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 from aioload._storage import fsspec as _fsspec
+from aioload._storage import h1
 from aioload._storage import http as _http
 from aioload._storage.retry import Permanent, Transient, retrying
 from aioload._storage.storage import Storage, locate
@@ -88,9 +89,13 @@ def _from_headers(status: int, reason: str | None, headers, content_range: str |
         size = int(match.group(1))
     else:
         length = headers.get("content-length")
-        if length is None or not length.strip().isdigit():
-            raise Permanent(f"no Content-Length in the answer to HEAD ({length!r})", status,
+        if length is None:
+            raise Permanent("no Content-Length in the answer to HEAD", status,
                             remedy="not retried: the shard's size must be known to index it")
-        size = int(length)
+        try:
+            size = h1.content_length(length)
+        except h1.ProtocolError as exc:
+            raise Permanent(f"invalid response: {exc}", status,
+                            remedy="not retried: the shard's size must be known to index it") from None
     tag = headers.get("etag") or headers.get("last-modified") or ""
     return Version(size, tag)
