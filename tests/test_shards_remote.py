@@ -17,6 +17,7 @@ import torch
 import aioload
 from aioload._storage import scope as _scope
 from tests.httpserver import Server
+from tests.storeserver import StoreServer
 from tests.shards_data import fingerprint, image_samples, webdataset_reads, write_aioload, write_webdataset
 
 RETRY = aioload.RetryPolicy(attempts=2, backoff=0.01, timeout=10)
@@ -71,6 +72,24 @@ def test_uniform_mode_asks_one_range_per_sample(server, folder):
     assert stats.requests_per_sample == 1.0 and stats.shard_mode == "uniform"
     assert stats.bytes_per_sample == pytest.approx(sum(ds._ends - ds._starts) / len(ds))
     assert _scope.open_scopes() == 0
+
+
+@pytest.mark.parametrize("head", ["ok", "403", "no-length"])
+def test_shards_behind_an_object_store_or_cdn_are_indexed_and_read(folder, tmp_path, head):
+    # S3 answers a missing sidecar 403 (no list permission), a presigned GET URL refuses HEAD
+    # (403), a CDN answers HEAD without Content-Length: the sidecar is taken as absent, the size
+    # comes from a GET of the first byte, and the samples are what webdataset reads.
+    with StoreServer(folder, tmp_path / "log", missing=403, head=head) as store:
+        ds = aioload.WebDataset(store.url("wds-{000000..000004}.tar"), decode=fingerprint,
+                                storage=aioload.Storage(retry=RETRY))
+        asked = store.requests
+        rows, _ = epoch(ds)
+    assert {k: (d, c) for k, d, c in rows} == webdataset_reads(str(folder / "wds-{000000..000004}.tar"))
+    for i in range(5):
+        shard = f"/wds-{i:06d}.tar"
+        first_byte = [] if head == "ok" else [f"GET {shard} bytes=0-0"]
+        assert [r for r in asked if r.split()[1] in (shard, shard + ".index.json")] == [
+            f"HEAD {shard} -", *first_byte, f"GET {shard}.index.json -", f"GET {shard} -"]
 
 
 def test_window_mode_gets_each_shard_once(server):

@@ -11,7 +11,7 @@ Where an index comes from, cheapest first (:class:`Indexer`):
 1. the local cache (``$AIOLOAD_CACHE/shard-index/``), keyed by the shard's URL and version
    (:mod:`aioload._shards.probe`: size and ETag or mtime), so a shard written again is indexed
    again;
-2. a sidecar ``<shard>.index.json`` beside the shard (``aioload.ShardWriter`` writes one,
+2. a sidecar ``<shard>.index.json`` beside the shard (a 404 or 403 for it: there is none) (``aioload.ShardWriter`` writes one,
    ``aioload index URLS`` makes them for shards written by other tools), used when the size
    it records is the shard's;
 3. one sequential pass over the shard: a local file's headers are read where they are (a
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from aioload._shards import probe, tar
+from aioload._storage.retry import RemoteReadError
 from aioload._storage.storage import Storage, locate
 
 logger = logging.getLogger("aioload")
@@ -282,6 +283,10 @@ class Indexer:
         try:
             text = await self.storage.read_bytes(where)
         except FileNotFoundError:
+            return None
+        except RemoteReadError as exc:  # S3 answers a missing key 403 to a client that may not list the bucket
+            if exc.status != 403:
+                raise
             return None
         index = ShardIndex.from_json(text, where)
         if index.size != version.size:

@@ -6,7 +6,9 @@ was made from. One request per shard, through the storage's own transports and r
 * a local path: ``os.stat`` (size, ``st_mtime_ns``, inode);
 * ``http(s)://``: ``HEAD`` (``Content-Length``, ``ETag`` or ``Last-Modified``), redirects
   followed as the storage's ``redirects`` rule allows; a server that refuses ``HEAD``
-  (405, 501) is asked for its first byte instead (``Content-Range`` gives the size);
+  (403, 405, 501) or answers it without ``Content-Length`` is asked for its first byte
+  instead (``Range: bytes=0-0``: ``Content-Range`` gives the size, or ``Content-Length``
+  where the server ignores ``Range``, which the version then records);
 * an fsspec URL: the filesystem's ``info`` (``size``, ``ETag``, ``LastModified`` or ``mtime``).
 """
 
@@ -31,6 +33,8 @@ class Version:
 
     size: int
     tag: str
+    ranges: bool | None = None
+    """Whether the store answered a range request with the range (``None``: not asked)."""
 
 
 async def version(storage: Storage, url: str) -> Version:
@@ -66,22 +70,33 @@ async def _info(storage: Storage, url: str) -> Version:
     return Version(int(info.get("size") or 0), tag)
 
 
+_NO_HEAD = (403, 405, 501)
+"""Answers to HEAD that send the probe to a ranged GET: 405 and 501 (no HEAD here), 403 (a
+presigned URL signs GET alone, and S3 answers its HEAD 403)."""
+
+
 async def _head(storage: Storage, url: str) -> Version:
     client = await _http.client(storage, storage.connections_per_host, storage.headers)
     timeout, rule = storage.retry.timeout, storage.redirects
     resp = await _http.head(client, url, timeout, redirects=rule)
-    if resp.status in (405, 501):  # no HEAD here: the first byte says the size
+    if resp.status in _NO_HEAD or (200 <= resp.status < 300 and "content-length" not in resp.headers):
+        # the first byte says the size (Content-Range), or the whole answer does (a server that ignores Range)
         resp = await _http.head(client, url, timeout, redirects=rule, first_byte=True)
         if resp.status == 206:
-            return _from_headers(resp.status, resp.reason, resp.headers, resp.headers.get("content-range"))
+            return _from_headers(resp.status, resp.reason, resp.headers, resp.headers.get("content-range"), True)
+        return _from_headers(resp.status, resp.reason, resp.headers, None, False if resp.status == 200 else None)
     return _from_headers(resp.status, resp.reason, resp.headers, None)
 
 
-def _from_headers(status: int, reason: str | None, headers, content_range: str | None) -> Version:
+def _from_headers(status: int, reason: str | None, headers, content_range: str | None,
+                  ranges: bool | None = None) -> Version:
     if status in (408, 429) or status >= 500:
         raise Transient(f"{status} {reason}", status)
     if not 200 <= status < 300:
         raise Permanent(f"{status} {reason}", status, missing=status in (404, 410))
+    if status == 206 and content_range is None:
+        raise Permanent("206 Partial Content without Content-Range to a request for the first byte: the size is "
+                        "unknown", status, remedy="not retried: the shard's size must be known to index it")
     if content_range is not None:
         match = re.match(r"^\s*bytes\s+\d+-\d+/(\d+)", content_range)
         if match is None:
@@ -98,4 +113,4 @@ def _from_headers(status: int, reason: str | None, headers, content_range: str |
             raise Permanent(f"invalid response: {exc}", status,
                             remedy="not retried: the shard's size must be known to index it") from None
     tag = headers.get("etag") or headers.get("last-modified") or ""
-    return Version(size, tag)
+    return Version(size, tag, ranges)
