@@ -90,6 +90,8 @@ def _handler(root: str, log, missing: int, head: str, ranges: bool):
             if path is None:
                 return self._status(missing)
             self.send_response(200)
+            if ranges:
+                self.send_header("Accept-Ranges", "bytes")
             if head == "ok":
                 self.send_header("Content-Length", str(path.stat().st_size))
             self.send_header("ETag", f'"{path.stat().st_mtime_ns}"')
@@ -109,6 +111,8 @@ def _handler(root: str, log, missing: int, head: str, ranges: bool):
                 data = data[start:end + 1]
             else:
                 self.send_response(200)
+            if ranges:
+                self.send_header("Accept-Ranges", "bytes")
             self.send_header("Content-Length", str(len(data)))
             self.send_header("ETag", f'"{path.stat().st_mtime_ns}"')
             self.end_headers()

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import aioload
+from aioload._storage import h1
 from aioload._storage import scope as _scope
 from tests.httpserver import Server
 from tests.storeserver import StoreServer
@@ -90,6 +91,49 @@ def test_shards_behind_an_object_store_or_cdn_are_indexed_and_read(folder, tmp_p
         first_byte = [] if head == "ok" else [f"GET {shard} bytes=0-0"]
         assert [r for r in asked if r.split()[1] in (shard, shard + ".index.json")] == [
             f"HEAD {shard} -", *first_byte, f"GET {shard}.index.json -", f"GET {shard} -"]
+
+
+def test_a_server_that_ignores_range_is_named_once_and_what_arrived_is_counted(folder, tmp_path):
+    # Python's http.server answers a range request with the whole file: each sample's read then
+    # brings its shard from the start. The reads keep only the sample, the dataset warns once
+    # naming the server and window=k, and the statistics count the bytes that arrived.
+    with StoreServer(folder, tmp_path / "log", ranges=False) as store:
+        origin = f"http://127.0.0.1:{store.port}"
+        with pytest.warns(UserWarning) as caught:
+            ds = aioload.WebDataset(store.url("wds-{000000..000004}.tar"), decode=fingerprint,
+                                    storage=aioload.Storage(retry=RETRY))
+        rows, stats = epoch(ds)
+        asked = store.requests
+    assert [str(w.message) for w in caught] == [
+        f"the server {origin} ignores Range (it answers a range request with the whole shard): in uniform mode each "
+        "sample's read downloads its shard from the start up to the sample and drops the rest. Pass "
+        "WebDataset(window=k) to fetch each shard once, whole, and draw samples from k shards at a time, or serve the "
+        "shards from a server that honours Range (nginx, S3, aiohttp)"]
+    assert {k: (d, c) for k, d, c in rows} == webdataset_reads(str(folder / "wds-{000000..000004}.tar"))
+    assert sum(1 for r in asked if r.endswith("bytes=0-0")) == 1  # one question for the server, not one per shard
+    assert stats.shard_range_ignored == origin and stats.shard_mode == "uniform"
+    up_to_each_end = int(ds._ends.sum())  # what a read of a sample brings at least: its shard up to its end
+    assert up_to_each_end <= stats.bytes_read <= up_to_each_end + len(ds) * h1.HEAD_LIMIT
+    assert stats.bytes_per_sample > 3 * (ds._ends - ds._starts).mean()
+    assert f"(Range ignored by {origin})" in str(stats)
+
+
+def test_the_verdict_names_a_server_that_ignores_range_as_the_cause():
+    from aioload._observe.stats import LoaderStats
+
+    # Data-bound, the workers' decoding waiting for reads well below the limit: without the
+    # cause in the figures this read "raise prefetch_factor".
+    common = dict(batches=10, samples=640, epochs=1, elapsed_s=10.0, first_batch_s=1.0, wait_s=6.0, num_workers=2,
+                  io_concurrency=64, decode_s=2.0, decode_cpu_s=1.9, decoded=640, reads=640,
+                  bytes_read=640 * 3_400_000, read_s=60.0, read_p50_ms=90.0, read_wait_s=12.0, shard_mode="uniform")
+    blind = LoaderStats(**common)
+    assert blind.verdict_category == "read-latency-bound" and "prefetch_factor" in blind.verdict
+    told = LoaderStats(**common, shard_range_ignored="http://shards.example:80")
+    assert told.verdict_category == "shard-bound"
+    assert told.verdict == ("data-bound 67% of the time: the server http://shards.example:80 ignores Range: each "
+                            "sample's read downloads its shard from the start (3.4 MB from storage per sample): fetch "
+                            "whole shards, once each (WebDataset(window=k)), or serve the shards from a server that "
+                            "honours Range")
 
 
 def test_window_mode_gets_each_shard_once(server):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -38,6 +39,7 @@ import torch
 
 from aioload._dataset import NOT_READY, Dataset
 from aioload._shards import order as _order
+from aioload._shards import probe
 from aioload._shards import tar
 from aioload._shards.decoders import DECODERS, Decoder, decode_sample
 from aioload._shards.index import IndexCache, Indexer, ShardError, default_cache_folder
@@ -181,6 +183,12 @@ class WebDataset(Dataset):
         logger.info("indexed %d shards: %d from the cache, %d from sidecars, %d read through",
                     len(indexed), sources.count("cache"), sources.count("sidecar"), sources.count("scan"))
         self._setup([i.url for i in indexed], [i.index for i in indexed])
+        self._range_ignored = ""  # uniform mode: the servers that answer range requests with whole shards
+        if self.window is None:
+            ignored = _scope.run_blocking(lambda: probe.ranges_ignored(self.storage, [(i.url, i.version) for i in indexed]))
+            if ignored:
+                self._range_ignored = ", ".join(ignored)
+                warnings.warn(probe.ranges_warning(ignored), stacklevel=2)
 
     def _setup(self, urls: list[str], indexes) -> None:
         self.urls = StringList(urls)
@@ -361,7 +369,7 @@ class WebDataset(Dataset):
     def io_figures(self) -> dict[str, Any]:
         """This dataset's own I/O figures for ``loader.stats()`` (see ``docs/stats.md``)."""
         if self._window is None:
-            return {"shard_mode": "uniform"}
+            return {"shard_mode": "uniform", "shard_range_ignored": self._range_ignored}
         return {"shard_mode": "window", **self._window.figures()}
 
     def __repr__(self) -> str:

@@ -113,4 +113,44 @@ def _from_headers(status: int, reason: str | None, headers, content_range: str |
             raise Permanent(f"invalid response: {exc}", status,
                             remedy="not retried: the shard's size must be known to index it") from None
     tag = headers.get("etag") or headers.get("last-modified") or ""
+    if ranges is None:  # what the server says of itself (S3, nginx and aiohttp say "bytes"; http.server nothing)
+        accepts = {t.strip().lower() for t in (headers.get("accept-ranges") or "").split(",")}
+        ranges = True if "bytes" in accepts else False if "none" in accepts else None
     return Version(size, tag, ranges)
+
+
+async def ranges_ignored(storage: Storage, shards: list[tuple[str, Version]]) -> list[str]:
+    """The origins (``scheme://host:port``) of these ``(url, version)`` that answer a range
+    request with the whole shard, in the order met. What a shard's probe learnt decides; for
+    an origin where none learnt anything, its first shard is asked for its first byte (one
+    request: 206, Range honoured; 200, ignored; anything else, left undecided)."""
+    known: dict[str, bool | None] = {}
+    ask: dict[str, str] = {}
+    for url, version in shards:
+        if locate(url)[0] != "http":
+            continue
+        where = _http.shown_origin(url)
+        if version.ranges is not None and known.get(where) is None:
+            known[where] = version.ranges
+            ask.pop(where, None)
+        elif where not in known:
+            known[where] = None
+            ask[where] = url
+    client = await _http.client(storage, storage.connections_per_host, storage.headers)
+    for where, url in ask.items():
+        try:
+            resp = await retrying(storage.retry, url, lambda u=url: _http.head(
+                client, u, storage.retry.timeout, redirects=storage.redirects, first_byte=True), storage._rng)
+        except OSError:
+            continue  # the reads will tell; the probe is not worth failing the dataset for
+        known[where] = {206: True, 200: False}.get(resp.status)
+    return [where for where, ranges in known.items() if ranges is False]
+
+
+def ranges_warning(origins: list[str]) -> str:
+    """What :class:`aioload.WebDataset` warns in uniform mode when ``origins`` ignore ``Range``."""
+    servers = ", ".join(origins)
+    return (f"the server {servers} ignores Range (it answers a range request with the whole shard): in uniform mode "
+            "each sample's read downloads its shard from the start up to the sample and drops the rest. Pass "
+            "WebDataset(window=k) to fetch each shard once, whole, and draw samples from k shards at a time, or serve "
+            "the shards from a server that honours Range (nginx, S3, aiohttp)")

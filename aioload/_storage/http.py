@@ -37,7 +37,7 @@ import zlib
 from typing import Awaitable, Mapping
 from urllib.parse import urljoin, urlsplit
 
-from aioload._storage import h1
+from aioload._storage import arrived, h1
 from aioload._storage import scope as _scope
 from aioload._storage.retry import Permanent, Transient, parse_retry_after
 
@@ -150,6 +150,11 @@ def origin(url: str) -> tuple[str, str, int | None]:
     except ValueError:  # not a port number: the request refuses the URL itself
         port = None
     return scheme, (parts.hostname or "").lower(), port or _DEFAULT_PORTS.get(scheme)
+
+
+def shown_origin(url: str) -> str:
+    """``scheme://host:port`` of ``url``, as messages name a server (no credentials)."""
+    return _shown(origin(url))
 
 
 def _shown(origin_: tuple[str, str, int | None]) -> str:
@@ -373,13 +378,19 @@ class _Read:
                 for piece in decoder.feed(chunk) if decoder is not None else (chunk,):
                     keep.add(piece, status, decoded=decoder is not None)
                 if keep.full:
-                    return keep.data()  # the rest of the body is not needed: the connection is dropped
+                    return self._kept(keep)  # the rest of the body is not needed: the connection is dropped
         except h1.Closed as exc:
             raise Transient(f"truncated body: {exc}", status) from exc
         self.complete = body.complete
         if decoder is not None and not decoder.done:
             raise Transient(f"truncated body: the {encoding} stream ends early", status)
-        return keep.data()
+        return self._kept(keep)
+
+    def _kept(self, keep: _Keep) -> bytes:
+        data = keep.data()
+        if self.offset is not None and keep.seen > len(data):  # a range read answered with more than the range
+            arrived.dropped(keep.seen - len(data))  # (the whole body, Range ignored): what arrived is counted
+        return data
 
 
 def _check_content_range(resp: h1.Head, offset: int) -> None:
