@@ -564,6 +564,37 @@ def test_credentials_in_the_url_go_to_that_url_alone_and_headers_replace_default
     assert "Authorization" not in elsewhere[0] and elsewhere[0]["User-Agent"] == "aioload"
 
 
+def test_credentials_in_a_url_are_never_shown_in_errors():
+    async def missing(request):
+        return web.Response(status=404)
+
+    async def failing(request):
+        return web.Response(status=503)
+
+    async def main():
+        async with Web() as other, Web() as home:
+            home.routes["gone"] = missing
+            home.routes["busy"] = failing
+            home.routes["away"] = redirect(other.url("x").replace("http://", "http://eve:t0ken@"))
+            storage = aioload.Storage(retry=THRICE)
+            errors = []
+            for name in ("gone", "busy", "away"):
+                with pytest.raises(aioload.RemoteReadError) as info:
+                    await storage.read_bytes(home.url(name).replace("http://", "http://ann:s3cret@"))
+                errors.append(info.value)
+            with pytest.raises(aioload.RemoteReadError) as info:
+                await storage.read_bytes(f"http://ann:s3cret@127.0.0.1:{home.port}:x/bad-port")
+            errors.append(info.value)
+            return errors, home.headers
+
+    errors, sent = run(main)
+    shown = [(str(e), e.url) for e in errors]
+    assert not any("s3cret" in text or "ann" in text or "t0ken" in text for pair in shown for text in pair), shown
+    assert shown[0][0].startswith("GET http://***@127.0.0.1:") and shown[0][1].startswith("http://***@127.0.0.1:")
+    assert "redirect to http://***@127.0.0.1:" in shown[2][0]
+    assert sent[0]["Authorization"] == "Basic " + base64.b64encode(b"ann:s3cret").decode()  # sent, not shown
+
+
 def test_paths_are_sent_percent_encoded_and_queries_kept():
     seen = []
 

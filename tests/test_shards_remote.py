@@ -136,6 +136,37 @@ def test_the_verdict_names_a_server_that_ignores_range_as_the_cause():
                             "honours Range")
 
 
+def url_of(sample: dict) -> str:
+    return sample["__url__"]
+
+
+def test_credentials_in_shard_urls_are_never_shown(folder, tmp_path, caplog):
+    copy = tmp_path / "www"
+    shutil.copytree(folder, copy)
+    with StoreServer(copy, tmp_path / "log") as store:
+        secret = "ann:s3cret@"
+        ds = aioload.WebDataset(store.url("aio-{000000..000004}.tar", secret), decode=url_of,
+                                storage=aioload.Storage(retry=RETRY))
+        with aioload.DataLoader(ds, batch_size=8, num_workers=2) as loader:
+            urls = [u for batch in loader for u in batch]
+        with pytest.raises(FileNotFoundError) as missing:
+            aioload.WebDataset([store.url("nope-000000.tar", secret)], storage=aioload.Storage(retry=RETRY))
+        shard = copy / "aio-000001.tar"
+        shard.write_bytes(shard.read_bytes()[:int(ds._starts[15]) + 100])  # cut after indexing
+        with aioload.DataLoader(ds, batch_size=8, num_workers=2, shuffle=False) as loader:
+            with pytest.raises(aioload.ShardError) as cut:
+                list(loader)
+        caplog.clear()
+        with aioload.DataLoader(ds, batch_size=8, num_workers=2, on_error="skip") as loader:
+            kept = sum(len(batch) for batch in loader)
+    assert len(urls) == 48 and set(urls) == {store.url(f"aio-{i:06d}.tar", "***@") for i in range(5)}
+    shown = [str(missing.value), str(cut.value), *getattr(cut.value, "__notes__", []),
+             *(r.getMessage() for r in caplog.records)]
+    assert kept < 48 and any("skipped dataset index" in line for line in shown)
+    assert not [line for line in shown if "s3cret" in line or "ann:" in line]
+    assert f"shard {store.url('aio-000001.tar', '***@')}" in str(cut.value)
+
+
 def test_window_mode_gets_each_shard_once(server):
     ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=2,
                             storage=aioload.Storage(retry=RETRY))

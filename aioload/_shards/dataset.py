@@ -47,6 +47,7 @@ from aioload._shards.urls import shard_urls
 from aioload._shards.window import Staged, Window
 from aioload._storage import scope as _scope
 from aioload._storage.mounts import is_network
+from aioload._storage.redact import redact
 from aioload._storage.storage import Storage, locate, read_buffer
 from aioload._strings import StringList
 
@@ -342,7 +343,7 @@ class WebDataset(Dataset):
             raise ShardError(f"shard {url}, sample {key!r}: {len(data)} of the sample's {end - start} bytes "
                              f"(from byte {start}) came back: the shard is shorter than when it was indexed "
                              f"(truncated, or written again); index it again: `aioload index {url}`")
-        sample: dict[str, Any] = {"__key__": key, "__url__": url}
+        sample: dict[str, Any] = {"__key__": key, "__url__": redact(url)}  # a URL's credentials are not data
         view = memoryview(data)
         try:
             for member in tar.members_of(view):

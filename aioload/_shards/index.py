@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from aioload._shards import probe, tar
+from aioload._storage.redact import redact
 from aioload._storage.retry import RemoteReadError
 from aioload._storage.storage import Storage, locate
 
@@ -54,7 +55,10 @@ _COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x
 class ShardError(ValueError):
     """A shard, or one of its samples, that cannot be read as a WebDataset tar: truncated,
     corrupt, compressed, or changed since it was indexed. The message names the shard's URL
-    and, where there is one, the sample's key."""
+    (its credentials redacted) and, where there is one, the sample's key."""
+
+    def __init__(self, message: str):
+        super().__init__(redact(message))
 
 
 @dataclass
@@ -226,7 +230,7 @@ class IndexCache:
             tmp.write_text(index.to_json())
             os.replace(tmp, path)
         except OSError as exc:  # a read-only cache costs a pass next time, nothing more
-            logger.warning("could not keep the index of %s in %s: %s", url, self.folder, exc)
+            logger.warning("could not keep the index of %s in %s: %s", redact(url), self.folder, exc)
 
 
 def default_cache_folder() -> Path:
@@ -260,7 +264,7 @@ class Indexer:
         try:
             version = await probe.version(self.storage, url)
         except FileNotFoundError as exc:
-            raise FileNotFoundError(f"shard {url} does not exist ({exc}); remove it from the shard list") from exc
+            raise FileNotFoundError(f"shard {redact(url)} does not exist ({exc}); remove it from the shard list") from exc
         if self.cache is not None:
             cached = self.cache.get(url, version)
             if cached is not None:
@@ -291,7 +295,7 @@ class Indexer:
         index = ShardIndex.from_json(text, where)
         if index.size != version.size:
             logger.info("the sidecar %s describes %d bytes, the shard has %d: indexing the shard itself",
-                        where, index.size, version.size)
+                        redact(where), index.size, version.size)
             return None
         return index
 
@@ -312,7 +316,7 @@ class Indexer:
                     return await self.one(url, scans)
                 except Exception as exc:
                     if not isinstance(exc, FileNotFoundError) or "does not exist" not in str(exc):
-                        exc.add_note(f"while indexing shard {url}")
+                        exc.add_note(f"while indexing shard {redact(url)}")
                     raise
 
         tasks = [asyncio.ensure_future(one(url)) for url in urls]
