@@ -186,7 +186,8 @@ class WebDataset(Dataset):
         self._setup([i.url for i in indexed], [i.index for i in indexed])
         self._range_ignored = ""  # uniform mode: the servers that answer range requests with whole shards
         if self.window is None:
-            ignored = _scope.run_blocking(lambda: probe.ranges_ignored(self.storage, [(i.url, i.version) for i in indexed]))
+            versions = [(i.url, i.version) for i in indexed]
+            ignored = _scope.run_blocking(lambda: probe.ranges_ignored(self.storage, versions))
             if ignored:
                 self._range_ignored = ", ".join(ignored)
                 warnings.warn(probe.ranges_warning(ignored), stacklevel=2)

@@ -11,9 +11,9 @@ Where an index comes from, cheapest first (:class:`Indexer`):
 1. the local cache (``$AIOLOAD_CACHE/shard-index/``), keyed by the shard's URL and version
    (:mod:`aioload._shards.probe`: size and ETag or mtime), so a shard written again is indexed
    again;
-2. a sidecar ``<shard>.index.json`` beside the shard (a 404 or 403 for it: there is none) (``aioload.ShardWriter`` writes one,
+2. a sidecar ``<shard>.index.json`` beside the shard (``aioload.ShardWriter`` writes one,
    ``aioload index URLS`` makes them for shards written by other tools), used when the size
-   it records is the shard's;
+   it records is the shard's; a 404 or 403 for it (S3's answer for a missing key) means none;
 3. one sequential pass over the shard: a local file's headers are read where they are (a
    read per member, the data skipped); a remote shard is read whole, once (bounded by the
    storage's ``max_bytes``).
@@ -264,7 +264,8 @@ class Indexer:
         try:
             version = await probe.version(self.storage, url)
         except FileNotFoundError as exc:
-            raise FileNotFoundError(f"shard {redact(url)} does not exist ({exc}); remove it from the shard list") from exc
+            raise FileNotFoundError(f"shard {redact(url)} does not exist ({exc}); remove it from the shard "
+                                    "list") from exc
         if self.cache is not None:
             cached = self.cache.get(url, version)
             if cached is not None:

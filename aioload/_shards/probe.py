@@ -136,6 +136,8 @@ async def ranges_ignored(storage: Storage, shards: list[tuple[str, Version]]) ->
         elif where not in known:
             known[where] = None
             ask[where] = url
+    if not ask:
+        return [where for where, ranges in known.items() if ranges is False]
     client = await _http.client(storage, storage.connections_per_host, storage.headers)
     for where, url in ask.items():
         try:
