@@ -17,7 +17,8 @@ What a server can make a read hold or send is bounded here:
   deflate bodies are decoded here, in bounded steps, and ``max_bytes`` bounds the decoded
   size too;
 * a range read keeps at most ``length`` bytes: when the server ignores ``Range`` (200 instead
-  of 206) the body is read up to ``offset + length`` and the connection is closed;
+  of 206) the body is read up to ``offset + length`` and the connection is closed; the bytes
+  that arrived before the range are added to the read's tally (``_storage.arrived``);
 * redirects are followed by hand, at most ``MAX_REDIRECTS``, within the URL's origin by
   default (see :func:`redirect_refusal`); the storage's ``headers`` are sent only to that
   origin, and credentials in a URL (``user:password@``) to that URL alone.
