@@ -124,12 +124,18 @@ def _handler(root: str, log, missing: int, head: str, ranges: bool):
     return Handler
 
 
+class _Quiet(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that closed, as clients do
+            super().handle_error(request, client_address)
+
+
 def main() -> None:
     root, log_path, *flags = sys.argv[1:]
     options = dict(flag[2:].split("=", 1) for flag in flags)
     with open(log_path, "a") as log:
         handler = _handler(root, log, int(options["missing"]), options["head"], options["ranges"] == "1")
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server = _Quiet(("127.0.0.1", 0), handler)
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, daemon=True).start()
         print(server.server_address[1], flush=True)
