@@ -6,6 +6,8 @@ import os
 import pickle
 import traceback
 
+from aioload._storage.redact import redact
+
 __all__ = [
     "BlockingReadWarning",
     "DataLoaderTimeoutError",
@@ -80,7 +82,7 @@ def where(describe, index) -> str:
         found = describe(index)
     except Exception:  # noqa: BLE001 - a note must never hide the real error
         return ""
-    return "" if found is None else f" ({found})"
+    return "" if found is None else f" ({redact(str(found))})"  # a URL's credentials never shown
 
 
 SKIP_HINT = "; on_error='skip' leaves such samples out and goes on"

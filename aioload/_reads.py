@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from aioload._dataset import NOT_READY, Dataset
 from aioload._errors import DataLoaderTimeoutError, where
+from aioload._storage import arrived
 
 STALL_STEP = 0.05
 """Seconds one step of ``dataset.read`` (the code between two awaits) may run before it counts
@@ -265,6 +266,7 @@ class BatchReads:
                 watch.started(index)
                 weight = self.meter.begin()
                 started = time.perf_counter()
+                dropped, token = arrived.tally()  # what arrived and was not returned (a Range ignored)
                 try:
                     raw = await read_within(self.dataset, index, self.read_timeout, self.meter if weight else None,
                                             weight)
@@ -272,8 +274,10 @@ class BatchReads:
                     seconds = time.perf_counter() - started
                     watch.finished(index, seconds, 0)
                     return self.failed(index, exc), seconds, 0
+                finally:
+                    arrived.close(token)
                 seconds = time.perf_counter() - started
-                size = raw_nbytes(raw)
+                size = raw_nbytes(raw) + dropped[0]
                 watch.finished(index, seconds, size)
                 return raw, seconds, size
         finally:

@@ -18,18 +18,21 @@ import gc
 import ipaddress
 import re
 import ssl
+import tracemalloc
 
 import pytest
 import uvloop
 from aiohttp import web
 
 import aioload
+from aioload._shards import probe
 from aioload._storage import h1
 from aioload._storage import scope as _scope
 
 ONCE = aioload.RetryPolicy(attempts=1, timeout=30)
 THRICE = aioload.RetryPolicy(attempts=3, backoff=0.001, max_delay=0.01, timeout=30)
 BODY = bytes(range(256)) * 40  # 10 KiB
+BIG = BODY * 20  # 200 KiB: more than a connection's receive buffer
 
 
 def run(coro_fn, loop: str = "asyncio"):
@@ -379,6 +382,14 @@ def test_interim_answers_are_skipped():
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "invalid response: not a chunk size: b'zz'"),
     (b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (70 * 1024), "invalid response: the response head is longer than "
                                                           "65536 bytes"),
+    ("HTTP/1.1 200 OK\r\nContent-Length: \u00b2\r\n\r\nab".encode("latin-1"),
+     "invalid response: invalid Content-Length '\u00b2'"),  # a digit to str.isdigit, not to HTTP
+    (b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n",
+     "invalid response: invalid Content-Length '" + "9" * 40 + "'"),
+    (b"HTTP/1.1 200 OK\nContent-Length: 3\n\nabc", "invalid response: the response head's lines end with a bare "
+                                                   "LF, not CRLF"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 3\n\r\nabc", "invalid response: the response head's lines end with "
+                                                       "a bare LF, not CRLF"),
 ])
 def test_invalid_answers_fail_at_once_and_say_why(answer, reason):
     async def main():
@@ -391,6 +402,131 @@ def test_invalid_answers_fail_at_once_and_say_why(answer, reason):
     assert f"({reason})" in str(err)
     assert str(err).endswith("not retried: the server does not answer in HTTP/1.1 as this client reads it")
     assert (err.attempts, requests) == (1, 1)
+
+
+async def longest_stall(until: asyncio.Event) -> float:
+    """The longest time the running loop went without running this coroutine, until
+    ``until`` is set: how long something held the loop (a few ms when nothing did)."""
+    longest, last = 0.0, asyncio.get_running_loop().time()
+    while not until.is_set():
+        await asyncio.sleep(0.005)
+        now = asyncio.get_running_loop().time()
+        longest, last = max(longest, now - last), now
+    return longest
+
+
+def test_a_head_line_of_blanks_is_parsed_without_holding_the_loop():
+    # A value with 20,000 blanks inside took a backtracking expression 12 s (60,000: 25 s and
+    # more), the loop held meanwhile;
+    # the rule is that nothing holds the loop for as long as the request's timeout.
+    padded = b"HTTP/1.1 200 OK\r\nX-Pad: a" + b" " * 20_000 + b"b\r\nX-Tail:" + b"\t " * 2000 + b"\r\n"
+
+    async def main():
+        async with Raw(lambda n: padded + b"Content-Length: 3\r\n\r\nabc") as srv:
+            done = asyncio.Event()
+            watch = asyncio.ensure_future(longest_stall(done))
+            storage = aioload.Storage(retry=aioload.RetryPolicy(attempts=1, timeout=2))
+            got = [await storage.read_bytes(srv.url()) for _ in range(3)]
+            done.set()
+            return got, await watch
+
+    got, stall = run(main)
+    assert got == [b"abc"] * 3
+    assert stall < 2.0, f"the loop was held {stall:.1f} s, past the request's timeout of 2 s"
+    head = h1.parse_head(padded[:-2], "GET")
+    assert head.headers == {"x-pad": "a" + " " * 20_000 + "b", "x-tail": ""}
+
+
+@LOOPS
+def test_a_server_that_sends_more_than_its_content_length_never_answers_the_next_request_with_it(loop):
+    # Each answer is followed by a whole second response: the surplus of one request must not
+    # become the next one's answer on a reused connection. The body is larger than the receive
+    # buffer, so it is received in place and the surplus is still in the socket when it ends.
+    async def main():
+        async with Raw(lambda n: response(BIG + b"%d" % n) + response(b"stale")) as srv:
+            storage = aioload.Storage(retry=ONCE)
+            got = []
+            for _ in range(5):
+                got.append(await storage.read_bytes(srv.url()))
+            return got, srv.requests, srv.connections, len(open_connections())
+
+    got, requests, connections, left = run(main, loop)
+    assert got == [BIG + b"%d" % n for n in range(5)]
+    assert requests == connections == 5 and left <= 1
+
+
+@LOOPS
+def test_a_body_sent_to_a_head_does_not_answer_the_next_get(loop):
+    # A server that answers HEAD with its body, sent late: the body reaches the connection
+    # only after the next request on it. No check at reuse can see it coming, so a connection
+    # that carried a HEAD is not reused.
+    sent = []
+
+    async def serve(reader, writer):
+        late = b""
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                n = len(sent)
+                sent.append(head.split(b" ", 1)[0])
+                if head.startswith(b"HEAD "):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BIG))
+                    late = BIG
+                else:
+                    writer.write(late + response(b"get%d" % n))
+                    late = b""
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"
+        async with server:
+            storage = aioload.Storage(retry=ONCE)
+            version = await probe.version(storage, url)
+            got = [await storage.read_bytes(url) for _ in range(2)]
+            await storage.aclose()
+            return version, got
+
+    version, got = run(main, loop)
+    assert version.size == len(BIG)
+    assert got == [b"get1", b"get2"] and sent == [b"HEAD", b"GET", b"GET"]
+
+
+def test_a_content_length_commits_memory_only_as_its_bytes_arrive():
+    # Four reads announce 256 MiB each and send 10 bytes: the buffers must not be made at the
+    # announced size up front (1 GiB) but grow with what arrives.
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 268435456\r\n\r\n0123456789"
+
+    async def main():
+        async with Raw(lambda n: (head, "hang")) as srv:
+            storage = aioload.Storage(retry=aioload.RetryPolicy(attempts=1, timeout=0.5))
+            tracemalloc.start()
+            try:
+                errors = await asyncio.gather(*(storage.read_bytes(srv.url()) for _ in range(4)),
+                                              return_exceptions=True)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            return errors, peak
+
+    errors, peak = run(main)
+    assert all(isinstance(e, aioload.RemoteReadError) and "timeout=0.5 s" in str(e) for e in errors), errors
+    assert peak < 32 << 20, f"{peak >> 20} MiB held for 40 bytes received"
+
+
+def test_a_large_body_grows_its_buffer_in_place_to_the_right_bytes():
+    data = bytes(range(256)) * (20 * 1024 + 3)  # 5 MiB and a bit: the buffer doubles three times
+
+    async def main():
+        async with Raw(lambda n: response(data)) as srv:
+            storage = aioload.Storage(retry=ONCE)
+            return [await storage.read_bytes(srv.url()) for _ in range(2)], srv.connections
+
+    got, connections = run(main)
+    assert got == [data, data] and connections == 1
 
 
 def test_headers_that_would_not_be_sent_as_given_are_refused_at_construction():
@@ -426,6 +562,37 @@ def test_credentials_in_the_url_go_to_that_url_alone_and_headers_replace_default
     token = base64.b64encode(b"ann:s cret").decode()
     assert at_home[0]["Authorization"] == f"Basic {token}" and at_home[0]["User-Agent"] == "trainer/1"
     assert "Authorization" not in elsewhere[0] and elsewhere[0]["User-Agent"] == "aioload"
+
+
+def test_credentials_in_a_url_are_never_shown_in_errors():
+    async def missing(request):
+        return web.Response(status=404)
+
+    async def failing(request):
+        return web.Response(status=503)
+
+    async def main():
+        async with Web() as other, Web() as home:
+            home.routes["gone"] = missing
+            home.routes["busy"] = failing
+            home.routes["away"] = redirect(other.url("x").replace("http://", "http://eve:t0ken@"))
+            storage = aioload.Storage(retry=THRICE)
+            errors = []
+            for name in ("gone", "busy", "away"):
+                with pytest.raises(aioload.RemoteReadError) as info:
+                    await storage.read_bytes(home.url(name).replace("http://", "http://ann:s3cret@"))
+                errors.append(info.value)
+            with pytest.raises(aioload.RemoteReadError) as info:
+                await storage.read_bytes(f"http://ann:s3cret@127.0.0.1:{home.port}:x/bad-port")
+            errors.append(info.value)
+            return errors, home.headers
+
+    errors, sent = run(main)
+    shown = [(str(e), e.url) for e in errors]
+    assert not any("s3cret" in text or "ann" in text or "t0ken" in text for pair in shown for text in pair), shown
+    assert shown[0][0].startswith("GET http://***@127.0.0.1:") and shown[0][1].startswith("http://***@127.0.0.1:")
+    assert "redirect to http://***@127.0.0.1:" in shown[2][0]
+    assert sent[0]["Authorization"] == "Basic " + base64.b64encode(b"ann:s3cret").decode()  # sent, not shown
 
 
 def test_paths_are_sent_percent_encoded_and_queries_kept():

@@ -149,8 +149,8 @@ def test_a_gzip_bomb_comes_back_as_sent_and_identity_is_asked():
     assert [h["Accept-Encoding"] for h in headers] == ["identity"]
 
 
-async def _static(body: bytes, headers: dict[str, str]):
-    return web.Response(body=body, headers=headers)
+async def _static(body: bytes, headers: dict[str, str], status: int = 200):
+    return web.Response(body=body, headers=headers, status=status)
 
 
 def test_decompress_decodes_gzip_within_max_bytes_and_fails_a_bomb():
@@ -252,15 +252,22 @@ def test_a_partial_answer_is_held_to_the_range_asked():
         async with Hostile() as srv:
             srv.route("/long", lambda r: partial(r, 1000, CHUNK))  # 64 KiB for 10 bytes asked
             srv.route("/shifted", lambda r: partial(r, 0, CHUNK[:10]))  # another range than asked
+            srv.route("/unlabelled", lambda r: _static(CHUNK[:10], {}, status=206))  # which bytes? unknown
             async with aioload.Storage(retry=FAST) as storage:
                 part = await storage.read_range(srv.url("/long"), 1000, 10)
                 err = await failure(storage.read_range(srv.url("/shifted"), 1000, 10))
-            return srv, part, err
+                unlabelled = await failure(storage.read_range(srv.url("/unlabelled"), 1000, 10))
+            return srv, part, err, unlabelled
 
-    srv, part, err = run(main)
+    srv, part, err, unlabelled = run(main)
     assert part == CHUNK[:10]
     assert "(206 Partial Content with Content-Range 'bytes 0-9/67108864' for bytes from 1000)" in str(err)
     assert err.attempts == 1 and srv.requests["/shifted"] == 1
+    url = re.escape(srv.url("/unlabelled"))
+    assert re.match(rf"^GET {url} failed after 1 attempt; last status: HTTP 206 \(206 Partial Content without "
+                    r"Content-Range for bytes from 1000: which bytes it holds is unknown\); not retried: the server "
+                    r"does not answer range requests as HTTP/1.1 says \(RFC 9110, 15.3.7\)$", str(unlabelled))
+    assert srv.requests["/unlabelled"] == 1
 
 
 # -- redirects -------------------------------------------------------------------------------

@@ -126,7 +126,8 @@ class LoaderStats:
         COUNTER, "`Dataset.read` calls finished (on the event loop, or in the workers); a local file that a "
                  "worker opens itself (`read_in=\"auto\"`) counts as a read of 0 bytes", "reads", "recorder"))
     bytes_read: int = field(default=0, metadata=_stat(
-        COUNTER, "the bytes those reads returned (`bytes`, or the first item of a tuple)", "bytes", "recorder"))
+        COUNTER, "the bytes those reads returned (`bytes`, or the first item of a tuple), and those that arrived for "
+                 "them and were dropped (the start of an object whose server ignored `Range`)", "bytes", "recorder"))
     read_s: float = field(default=0.0, metadata=_stat(
         COUNTER, "sum of read latencies", "s", "recorder"))
     read_p50_ms: float = field(default=0.0, metadata=_stat(
@@ -187,6 +188,9 @@ class LoaderStats:
     shard_mode: str = field(default="", metadata=_stat(
         GAUGE, "with `aioload.WebDataset`: how it reads, `\"uniform\"` (a range request per sample) or "
                "`\"window\"` (whole shards)", "", "loader"))
+    shard_range_ignored: str = field(default="", metadata=_stat(
+        GAUGE, "uniform mode: the servers (`scheme://host:port`) that answer range requests with whole shards (they "
+               "ignore `Range`); empty when none does", "", "loader"))
     shard_fetches: int = field(default=0, metadata=_stat(
         COUNTER, "window mode: whole shards fetched", "shards", "loader"))
     shard_fetch_bytes: int = field(default=0, metadata=_stat(
@@ -416,6 +420,10 @@ def _shard_bound(s: LoaderStats) -> str | None:
         return (f"reads waited for whole-shard fetches ({s.shard_fetch_wait_s / s.elapsed_s:.1f} reads waiting on "
                 f"average; {s.shard_fetches} shards fetched, {each} each): fetch more shards ahead "
                 "(WebDataset(fetch_ahead=...)), or read samples by range (window=None) if the store is slow per byte")
+    if s.shard_mode == "uniform" and s.shard_range_ignored:
+        return (f"the server {s.shard_range_ignored} ignores Range: each sample's read downloads its shard from the "
+                f"start ({_bytes(s.bytes_per_sample)} from storage per sample): fetch whole shards, once each "
+                "(WebDataset(window=k)), or serve the shards from a server that honours Range")
     if (s.shard_mode == "uniform" and s.io_concurrency
             and s.mean_reads_in_flight >= SATURATED * s.io_concurrency):
         return (f"range reads of shard samples are saturated ({s.mean_reads_in_flight:.0f} of {s.io_concurrency} in "
@@ -541,6 +549,8 @@ def format_stats(stats: LoaderStats) -> str:
 def _shard_row(s: LoaderStats) -> str:
     text = (f"{s.shard_mode} mode: {s.requests_per_sample:.3f} requests and {_bytes(s.bytes_per_sample)} from "
             "storage per sample")
+    if s.shard_range_ignored:
+        text += f" (Range ignored by {s.shard_range_ignored})"
     if s.shard_mode == "window":
         text += (f"; {s.shard_fetches} shards fetched, {_bytes(s.shard_window_bytes)} held now, "
                  f"{_bytes(s.shard_window_peak_bytes)} at the peak; reads waited {s.shard_fetch_wait_s:.2f} s for them")

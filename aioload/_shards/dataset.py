@@ -32,6 +32,7 @@ import collections
 import logging
 import operator
 import os
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -39,6 +40,7 @@ import torch
 
 from aioload._dataset import NOT_READY, Dataset
 from aioload._shards import order as _order
+from aioload._shards import probe
 from aioload._shards import tar
 from aioload._shards.decoders import DECODERS, Decoder, decode_sample
 from aioload._shards.index import IndexCache, Indexer, ShardError, default_cache_folder
@@ -46,6 +48,7 @@ from aioload._shards.urls import shard_urls
 from aioload._shards.window import Staged, Window
 from aioload._storage import scope as _scope
 from aioload._storage.mounts import is_network
+from aioload._storage.redact import redact
 from aioload._storage.storage import Storage, locate, read_buffer
 from aioload._strings import StringList
 
@@ -206,6 +209,13 @@ class WebDataset(Dataset):
         logger.info("indexed %d shards: %d from the cache, %d from sidecars, %d read through",
                     len(indexed), sources.count("cache"), sources.count("sidecar"), sources.count("scan"))
         self._setup([i.url for i in indexed], [i.index for i in indexed])
+        self._range_ignored = ""  # uniform mode: the servers that answer range requests with whole shards
+        if self.window is None:
+            versions = [(i.url, i.version) for i in indexed]
+            ignored = _scope.run_blocking(lambda: probe.ranges_ignored(self.storage, versions))
+            if ignored:
+                self._range_ignored = ", ".join(ignored)
+                warnings.warn(probe.ranges_warning(ignored), stacklevel=2)
 
     def _setup(self, urls: list[str], indexes) -> None:
         self.urls = StringList(urls)
@@ -361,7 +371,7 @@ class WebDataset(Dataset):
                              f"(from byte {start}) came back: the shard is shorter than when it was indexed "
                              f"(truncated, or written again); index it again: `aioload index {url}`")
         again = f"index it again: `aioload index {url}`"
-        sample: dict[str, Any] = {"__key__": key, "__url__": url}
+        sample: dict[str, Any] = {"__key__": key, "__url__": redact(url)}  # a URL's credentials are not data
         view = memoryview(data)
         last = start  # where the last member's data ends: the range's end, if the index is this shard's
         try:
@@ -420,7 +430,7 @@ class WebDataset(Dataset):
     def io_figures(self) -> dict[str, Any]:
         """This dataset's own I/O figures for ``loader.stats()`` (see ``docs/stats.md``)."""
         if self._window is None:
-            return {"shard_mode": "uniform"}
+            return {"shard_mode": "uniform", "shard_range_ignored": self._range_ignored}
         return {"shard_mode": "window", **self._window.figures()}
 
     def __repr__(self) -> str:

@@ -17,7 +17,7 @@ Where an index comes from, cheapest first (:class:`Indexer`):
    size, and the tag (ETag or mtime) too where it has one. A sidecar of the same size and
    another tag (the shard was copied, uploaded, or written again in place) is used for a
    remote shard, whose pass would read it whole, and not for a local one, whose pass reads
-   its headers only;
+   its headers only; a 404 or 403 for it (S3's answer for a missing key) means none;
 3. one sequential pass over the shard: a local file's headers are read where they are (a
    read per member, the data skipped); a remote shard is read whole, once (bounded by the
    storage's ``max_bytes``).
@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Callable
 
 from aioload._shards import probe, tar
+from aioload._storage.redact import redact
+from aioload._storage.retry import RemoteReadError
 from aioload._storage.storage import Storage, locate
 
 logger = logging.getLogger("aioload")
@@ -62,7 +64,10 @@ _COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x
 class ShardError(ValueError):
     """A shard, or one of its samples, that cannot be read as a WebDataset tar: truncated,
     corrupt, compressed, or changed since it was indexed. The message names the shard's URL
-    and, where there is one, the sample's key."""
+    (its credentials redacted) and, where there is one, the sample's key."""
+
+    def __init__(self, message: str):
+        super().__init__(redact(message))
 
 
 @dataclass
@@ -279,16 +284,16 @@ def _sidecar_fits(index: ShardIndex, version: probe.Version, url: str, where: st
     now (``version``): see the module's docstring."""
     if index.size != version.size:
         logger.info("the sidecar %s describes %d bytes, the shard has %d: indexing the shard itself",
-                    where, index.size, version.size)
+                    redact(where), index.size, version.size)
         return False
     if not index.tag or _content_tag(index.tag) == _content_tag(version.tag):
         return True
     if locate(url)[0] == "local":
         logger.info("the sidecar %s was written for another version of the shard (%s; now %s): indexing the "
-                    "shard itself", where, index.tag, version.tag)
+                    "shard itself", redact(where), index.tag, version.tag)
         return False
     logger.info("the sidecar %s was written for another version of the shard (%s; now %s), of its size: used, "
-                "each sample's headers are checked as it is read", where, index.tag, version.tag)
+                "each sample's headers are checked as it is read", redact(where), index.tag, version.tag)
     return True
 
 
@@ -322,7 +327,7 @@ class IndexCache:
             tmp.write_text(index.to_json())
             os.replace(tmp, path)
         except OSError as exc:  # a read-only cache costs a pass next time, nothing more
-            logger.warning("could not keep the index of %s in %s: %s", url, self.folder, exc)
+            logger.warning("could not keep the index of %s in %s: %s", redact(url), self.folder, exc)
 
 
 def default_cache_folder() -> Path:
@@ -356,7 +361,8 @@ class Indexer:
         try:
             version = await probe.version(self.storage, url)
         except FileNotFoundError as exc:
-            raise FileNotFoundError(f"shard {url} does not exist ({exc}); remove it from the shard list") from exc
+            raise FileNotFoundError(f"shard {redact(url)} does not exist ({exc}); remove it from the shard "
+                                    "list") from exc
         if self.cache is not None:
             cached = self.cache.get(url, version)
             if cached is not None:
@@ -381,6 +387,10 @@ class Indexer:
             text = await self.storage.read_bytes(where)
         except FileNotFoundError:
             return None
+        except RemoteReadError as exc:  # S3 answers a missing key 403 to a client that may not list the bucket
+            if exc.status != 403:
+                raise
+            return None
         index = ShardIndex.from_json(text, where)
         return index if _sidecar_fits(index, version, url, where) else None
 
@@ -401,7 +411,7 @@ class Indexer:
                     return await self.one(url, scans)
                 except Exception as exc:
                     if not isinstance(exc, FileNotFoundError) or "does not exist" not in str(exc):
-                        exc.add_note(f"while indexing shard {url}")
+                        exc.add_note(f"while indexing shard {redact(url)}")
                     raise
 
         tasks = [asyncio.ensure_future(one(url)) for url in urls]

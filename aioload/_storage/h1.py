@@ -10,15 +10,16 @@ of 11 MB took it 9-10 ms, this module 3-6 ms (docs/remote.md has the measurement
 
 :class:`Connection` is an :class:`asyncio.BufferedProtocol`: the socket's bytes land in a
 64 KiB buffer of its own, where each response's head is parsed, and a body of known length
-is received in place, straight into the ``bytearray`` that is returned
-(:meth:`Connection.read_exact`); other bodies are taken piece by piece from the buffer
+is received in place, straight into the ``bytearray`` that is returned, which grows as the
+bytes arrive (:meth:`Connection.read_exact`); other bodies are taken piece by piece from the buffer
 (:class:`Body`), which stops reading from the socket while it is full, so a slow consumer
 bounds what is held. :class:`Pool` keeps the idle connections of one origin (scheme, host,
-port), the most recently used first, and bounds those in use by a semaphore.
+port), the most recently used first, and bounds those in use by a semaphore; a connection is
+reused only when nothing of the last answer is left unread, in its buffer or its socket.
 
 What a response may be is checked strictly: a status line ``HTTP/1.x NNN``, ``name: value``
-header lines ended by CRLF, a head of at most :data:`HEAD_LIMIT` bytes, one
-``Content-Length`` (repeats must agree), ``Transfer-Encoding: chunked`` and nothing else;
+header lines ended by CRLF (bare LF fails at once), a head of at most :data:`HEAD_LIMIT`
+bytes, one ``Content-Length`` of ASCII digits (repeats must agree), ``Transfer-Encoding: chunked`` and nothing else;
 anything else raises :class:`ProtocolError`. Interim ``1xx`` answers are skipped.
 
 Not here, by design: proxies, cookies, HTTP/2, pipelining, request bodies.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import select
 import ssl as _ssl
 import time
 from urllib.parse import quote, unquote, urlsplit
@@ -37,6 +39,9 @@ HEAD_LIMIT = 64 * 1024
 connection's receive buffer."""
 
 LINE_LIMIT = 8 * 1024  # a chunk-size or trailer line
+BODY_START = 1 << 20
+"""The most bytes a body of known length is given before any of them arrives; its buffer
+doubles from there as it fills."""
 IDLE_S = 15.0
 """How long an idle keep-alive connection is kept for reuse."""
 
@@ -73,29 +78,26 @@ class Head:
 
 
 _STATUS = re.compile(r"HTTP/1\.([0-9]) ([0-9]{3})(?: ([^\r\n]*))?")
-_FIELDS = re.compile(r"(?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\r\n]*)*")  # header lines, each a token and ":"
-_FIELD = re.compile(r"\r\n([^:]+):[ \t]*([^\r\n]*?)[ \t]*(?=\r\n|\Z)")
+_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header's name: a token
+_LENGTH_DIGITS = 18  # a Content-Length of more digits (an exabyte) is refused, not parsed
 
 
 def parse_head(block: bytes, method: str) -> Head:
     """The :class:`Head` of ``block`` (a response head without its final CRLF CRLF), for a
-    request made with ``method``."""
-    text = block.decode("latin-1")
-    end = text.find("\r\n")
-    line, fields = (text, "") if end < 0 else (text[:end], text[end:])
-    status_line = _STATUS.fullmatch(line)
+    request made with ``method``. Each line is taken apart with ``str`` methods, in time
+    linear in its length, whatever it holds (a regular expression with two optional runs of
+    blanks around a value took seconds on a line of blanks)."""
+    lines = block.decode("latin-1").split("\r\n")
+    status_line = _STATUS.fullmatch(lines[0])
     if status_line is None:
-        raise ProtocolError(f"not an HTTP/1.x status line: {line[:80]!r}")
-    if not _FIELDS.fullmatch(fields):
-        bad = next(f for f in fields.split("\r\n")[1:] if not _FIELDS.fullmatch("\r\n" + f))
-        raise ProtocolError(f"not a header line: {bad[:80]!r}")
-    pairs = _FIELD.findall(fields)
-    headers = {name.lower(): value for name, value in pairs}
-    if len(headers) < len(pairs):  # a name given more than once: its values joined
-        headers = {}
-        for name, value in pairs:
-            key = name.lower()
-            headers[key] = f"{headers[key]}, {value}" if key in headers else value
+        raise ProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if not colon or "\n" in value or "\r" in value or _NAME.fullmatch(name) is None:
+            raise ProtocolError(f"not a header line: {line[:80]!r}")
+        key, value = name.lower(), value.strip(" \t")
+        headers[key] = f"{headers[key]}, {value}" if key in headers else value  # a repeated name: values joined
     status, reason = int(status_line.group(2)), status_line.group(3) or ""
     connection = headers.get("connection")
     tokens = {t.strip().lower() for t in connection.split(",")} if connection else ()
@@ -107,17 +109,20 @@ def parse_head(block: bytes, method: str) -> Head:
         if coding.strip().lower() != "chunked":
             raise ProtocolError(f"Transfer-Encoding {coding!r} is not supported (chunked is)")
         return Head(status, reason, headers, None, True, keep_alive)
-    length = _content_length(headers.get("content-length"))
+    length = content_length(headers.get("content-length"))
     return Head(status, reason, headers, length, False, keep_alive and length is not None)
 
 
-def _content_length(value: str | None) -> int | None:
+def content_length(value: str | None) -> int | None:
+    """The length a ``Content-Length`` value gives (``None`` for none): ASCII digits only
+    (``isdigit`` alone takes ``"²"``), repeats equal; anything else raises ProtocolError."""
     if value is None:
         return None
-    values = {v.strip() for v in value.split(",")}
-    if len(values) != 1 or not next(iter(values)).isdigit():
-        raise ProtocolError(f"invalid Content-Length {value!r}")
-    return int(values.pop())
+    values = {v.strip(" \t") for v in value.split(",")}
+    digits = next(iter(values))
+    if len(values) != 1 or not (digits.isascii() and digits.isdigit()) or len(digits) > _LENGTH_DIGITS:
+        raise ProtocolError(f"invalid Content-Length {value[:40]!r}")
+    return int(digits)
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -227,6 +232,21 @@ class Connection(asyncio.BufferedProtocol):
         return (not self._eof and self.transport is not None and not self.transport.is_closing()
                 and self._start == self._end)
 
+    def quiet(self) -> bool:
+        """Whether nothing waits unread in the socket either. An idle connection is quiet: a
+        byte there is one the server sent beyond its last response (a body to a HEAD, more
+        than its ``Content-Length``), or its close; reused, such a connection would hand the
+        next request the previous one's surplus as its answer."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return False
+        try:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            return not poller.poll(0)
+        except (OSError, ValueError):
+            return False
+
     def deadline(self, seconds: float | None) -> None:
         """From now on, waiting for the server raises ``TimeoutError`` once ``seconds`` have
         passed (``None``: never)."""
@@ -247,6 +267,7 @@ class Connection(asyncio.BufferedProtocol):
         while True:
             at = self._buf.find(b"\r\n\r\n", self._start + max(0, searched - 3), self._end)
             if at < 0:
+                self._bare_lf(self._start + max(0, searched - 2))
                 searched = self._end - self._start
                 if searched >= HEAD_LIMIT:
                     raise ProtocolError(f"the response head is longer than {HEAD_LIMIT} bytes")
@@ -262,23 +283,39 @@ class Connection(asyncio.BufferedProtocol):
                 raise ProtocolError("101 Switching Protocols to a request that asked for no upgrade")
             # an interim 1xx answer: the real one follows
 
+    def _bare_lf(self, since: int) -> None:
+        """Refuse a head whose lines end with a bare LF: its CRLF CRLF would never come, and
+        the request would wait for its deadline instead of failing (``since``: where the
+        unsearched bytes begin)."""
+        for end in (b"\n\n", b"\n\r\n"):
+            if self._buf.find(end, since, self._end) >= 0:
+                raise ProtocolError("the response head's lines end with a bare LF, not CRLF")
+
     async def read_exact(self, n: int) -> bytearray:
-        """The next ``n`` bytes, received in place into a new ``bytearray``."""
-        body = bytearray(n)
+        """The next ``n`` bytes, received in place into a new ``bytearray``. The buffer
+        starts at :data:`BODY_START` bytes at most and doubles as it fills, so a
+        ``Content-Length`` commits memory only as its bytes arrive (a server that announces
+        256 MiB and sends 10 bytes costs a megabyte, not 256 MiB)."""
+        body = bytearray(min(n, BODY_START))
         have = min(n, self._end - self._start)
         if have:
             body[:have] = self._view[self._start:self._start + have]
             self._start += have
-        if have < n:
+        while have < n:
+            if have == len(body):
+                body.extend(bytes(min(n, 2 * len(body)) - len(body)))  # no view of it is held now
             self._start = self._end = 0
-            self._sink, self._sunk = memoryview(body), have
+            self._sink, self._sunk = memoryview(body)[have:], 0
             try:
                 while self._sink is not None:
                     await self._more()
             except Closed:
-                raise self._closed(f"the server closed the connection after {self._sunk} of {n} bytes") from None
+                raise self._closed(f"the server closed the connection after {have + self._sunk} of {n} bytes") from None
             finally:
-                self._sink = None
+                have += self._sunk
+                sink, self._sink = self._sink, None
+                if sink is not None:
+                    sink.release()
         return body
 
     async def take(self, most: int) -> bytes:
@@ -420,7 +457,7 @@ class Pool:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if conn.usable and now - conn.idle_since < IDLE_S:
+            if conn.usable and now - conn.idle_since < IDLE_S and conn.quiet():
                 return conn, True
             self.discard(conn)
         return await self.open(timeout), False

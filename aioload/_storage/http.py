@@ -17,7 +17,8 @@ What a server can make a read hold or send is bounded here:
   deflate bodies are decoded here, in bounded steps, and ``max_bytes`` bounds the decoded
   size too;
 * a range read keeps at most ``length`` bytes: when the server ignores ``Range`` (200 instead
-  of 206) the body is read up to ``offset + length`` and the connection is closed;
+  of 206) the body is read up to ``offset + length`` and the connection is closed; the bytes
+  that arrived before the range are added to the read's tally (``_storage.arrived``);
 * redirects are followed by hand, at most ``MAX_REDIRECTS``, within the URL's origin by
   default (see :func:`redirect_refusal`); the storage's ``headers`` are sent only to that
   origin, and credentials in a URL (``user:password@``) to that URL alone.
@@ -37,7 +38,7 @@ import zlib
 from typing import Awaitable, Mapping
 from urllib.parse import urljoin, urlsplit
 
-from aioload._storage import h1
+from aioload._storage import arrived, h1
 from aioload._storage import scope as _scope
 from aioload._storage.retry import Permanent, Transient, parse_retry_after
 
@@ -150,6 +151,11 @@ def origin(url: str) -> tuple[str, str, int | None]:
     except ValueError:  # not a port number: the request refuses the URL itself
         port = None
     return scheme, (parts.hostname or "").lower(), port or _DEFAULT_PORTS.get(scheme)
+
+
+def shown_origin(url: str) -> str:
+    """``scheme://host:port`` of ``url``, as messages name a server (no credentials)."""
+    return _shown(origin(url))
 
 
 def _shown(origin_: tuple[str, str, int | None]) -> str:
@@ -301,9 +307,10 @@ class _Heads:
         return extra + ("Range: bytes=0-0\r\n" if self.first_byte else "")
 
     async def take(self, conn: h1.Connection, resp: h1.Head) -> h1.Head:
-        if resp.length == 0:
-            self.complete = True
-        elif self.first_byte and resp.status == 206 and resp.length is not None and resp.length <= 1:
+        # After a HEAD the connection is closed: a server that sends a body to a HEAD anyway may
+        # send it after the next request has gone out on it, where no check could tell it from
+        # that request's answer (a probe per shard, made once, so reuse saves little).
+        if self.first_byte and resp.status == 206 and resp.length is not None and resp.length <= 1:
             await conn.read_exact(resp.length)
             self.complete = True
         return resp  # any other body is not read: the connection is closed instead
@@ -372,19 +379,29 @@ class _Read:
                 for piece in decoder.feed(chunk) if decoder is not None else (chunk,):
                     keep.add(piece, status, decoded=decoder is not None)
                 if keep.full:
-                    return keep.data()  # the rest of the body is not needed: the connection is dropped
+                    return self._kept(keep)  # the rest of the body is not needed: the connection is dropped
         except h1.Closed as exc:
             raise Transient(f"truncated body: {exc}", status) from exc
         self.complete = body.complete
         if decoder is not None and not decoder.done:
             raise Transient(f"truncated body: the {encoding} stream ends early", status)
-        return keep.data()
+        return self._kept(keep)
+
+    def _kept(self, keep: _Keep) -> bytes:
+        data = keep.data()
+        if self.offset is not None and keep.seen > len(data):  # a range read answered with more than the range
+            arrived.dropped(keep.seen - len(data))  # (the whole body, Range ignored): what arrived is counted
+        return data
 
 
 def _check_content_range(resp: h1.Head, offset: int) -> None:
     value = resp.headers.get("content-range")
-    match = re.match(r"^\s*bytes\s+(\d+)-", value or "")
-    if value is not None and (match is None or int(match.group(1)) != offset):
+    if value is None:
+        raise Permanent(f"206 Partial Content without Content-Range for bytes from {offset}: which bytes it holds "
+                        "is unknown", 206, remedy="not retried: the server does not answer range requests as "
+                        "HTTP/1.1 says (RFC 9110, 15.3.7)")
+    match = re.match(r"^\s*bytes\s+(\d+)-", value)
+    if match is None or int(match.group(1)) != offset:
         raise Permanent(f"206 Partial Content with Content-Range {value!r} for bytes from {offset}", 206)
 
 

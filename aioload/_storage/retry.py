@@ -5,7 +5,8 @@ A transport (HTTP, fsspec) makes one attempt and classifies what went wrong: a
 is retried after an exponential, jittered delay, or after the server's ``Retry-After``; a
 :class:`Permanent` one (any other 4xx, a missing object, a body over ``max_bytes``, a redirect
 that is not followed) is not. When the attempts run out, a
-:class:`RemoteReadError` names the URL, the attempts made and the last status.
+:class:`RemoteReadError` names the URL (its credentials redacted), the attempts made and the
+last status.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import random
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, TypeVar
+
+from aioload._storage.redact import redact
 
 __all__ = ["RemoteReadError", "RetryPolicy"]
 
@@ -165,6 +168,6 @@ def _final(verb: str, url: str, attempts: int, status: int | None, reason: str, 
         remedy = "not retried: client errors other than 408 and 429 do not pass by retrying"
     elif remedy is None:
         remedy = "every attempt failed; raise RetryPolicy(attempts=..., timeout=...) if the storage is just slow"
-    message = f"{verb} {url} failed after {tries}; last status: {shown} ({reason}); {remedy}"
+    message = redact(f"{verb} {url} failed after {tries}; last status: {shown} ({reason}); {remedy}")
     cls = RemoteNotFoundError if missing else RemoteReadError
-    return cls(message, url, attempts, status)
+    return cls(message, redact(url), attempts, status)
