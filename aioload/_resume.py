@@ -52,6 +52,7 @@ _SEED_MAX = 2**63 - 1  # base seeds are drawn as non-negative int64, or derived 
 _EPOCH_MAX = 2**63 - 1
 _RNG_BYTES = torch.Generator().get_state().numel()
 _PERSISTENT = "drawn once (persistent workers)"
+_WORLD_MAX = 2**31 - 1  # torch.distributed numbers ranks with 32-bit ints
 UNSIZED_BATCHES = 2**32
 """The most batches a saved epoch of a sampler without ``len()`` is taken to have (at 10,000
 batches a second, five days): a state that says more was delivered is refused at load."""
@@ -380,7 +381,7 @@ def _check_config(cfg, exp: Expected) -> dict:
     _keys(cfg, "config", [k for k in mine if k != "world_size"], ("world_size",))
     if "world_size" in cfg:
         if cfg["world_size"] is not None:
-            _int(cfg["world_size"], "config.world_size", 1, None)
+            _int(cfg["world_size"], "config.world_size", 1, _WORLD_MAX)
         if not exp.elastic:
             check_world(cfg["world_size"], mine["world_size"], "load_state_dict()")
     for key, value in mine.items():
@@ -476,7 +477,7 @@ def _check_progress(prog, exp: Expected, world: int | None) -> dict:
         raise _fail("progress.batches", "must be None: this loader's sampler has no len(), so the rest of its "
                                         "epoch is never written out (such a state resumes by replaying the sampler)")
     decoded = _check_batches(batches, below, also, exp)
-    if "rank" in prog and _int(rank, "progress.rank", 0, None) != exp.rank:
+    if "rank" in prog and _int(rank, "progress.rank", 0, _WORLD_MAX - 1) != exp.rank:
         raise ResumeError(
             f"this state lists the remaining indices of rank {rank} (its sampler cannot be replayed, so "
             f"they were written out), but this is rank {exp.rank}: load into each rank the state it saved"
@@ -495,9 +496,11 @@ def _check_segments(segments, exp: Expected) -> list:
         path = f"progress.segments[{i}]"
         if not isinstance(entry, (list, tuple)) or len(entry) != 3:
             raise _fail(path, "must be a [world_size, below, also] triple")
-        world = _int(entry[0], f"{path}[0]", 1, None)
+        world = _int(entry[0], f"{path}[0]", 1, _WORLD_MAX)
         below = _int(entry[1], f"{path}[1]", 0, _EPOCH_MAX)
         also = _seq(entry[2], f"{path}[2]")
+        if not below and not also:  # so there are at most as many parts as samples in the epoch
+            raise _fail(path, "delivers no batch: a part of the epoch is saved only once it delivered one")
         for j, number in enumerate(also):
             _int(number, f"{path}[2][{j}]", below + 1, _EPOCH_MAX)
         if len(set(also)) != len(also):

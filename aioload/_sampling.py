@@ -27,7 +27,7 @@ from aioload import _resume
 from aioload._engine.ready import Delivered
 from aioload._engine.spec import Plan
 from aioload._plan.deal import Deal
-from aioload._plan.elastic import Segment, rest_of_epoch
+from aioload._plan.elastic import Segment, remainder, rest_of_epoch
 from aioload._mix.tally import SourceTally
 from aioload._mix.weights import with_change
 from aioload._plan.order import STRIDE, deal_of, epoch_order, has_own_order
@@ -488,12 +488,10 @@ class Planner:
         if progress["order_seed"] is None:
             return  # refused by _elastic() with the reason
         length = self._shards().order(progress["order_seed"], resume["epoch"]).numel()
-        done: list[Segment] = []
+        rest = length  # what the parts before left of the epoch: each part is checked in one step
         for i, (world, below, also) in enumerate(progress["segments"]):
-            rest = rest_of_epoch(length, done, self._deal).numel()
             _resume.check_position(f"progress.segments[{i}]", below, also, self._deal(world).batches(rest), world)
-            done.append(Segment(world, below, also))
-        rest = rest_of_epoch(length, done, self._deal).numel()
+            rest = remainder(rest, self._deal(world), Segment(world, below, also)).numel()
         delivered = progress["delivered"]
         _resume.check_position("progress.delivered", delivered["below"], delivered["also"],
                                self._deal(saved).batches(rest), saved)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from aioload._plan.deal import Deal
+from aioload._plan.order import STRIDE
 
 
 @dataclass(frozen=True)
@@ -38,19 +39,39 @@ def delivered_mask(batch_of: torch.Tensor, low: int, above) -> torch.Tensor:
     return mask
 
 
+SLOTS_AT_ONCE = 1 << 22
+"""Slots (rank, place in that rank's share) :func:`remainder` looks at in one step: its memory
+is a few times this many int64s, whatever the epoch's length."""
+
+
 def remainder(length: int, deal: Deal, segment: Segment) -> torch.Tensor:
     """The positions of a sequence of ``length``, dealt by ``deal``, that ``segment`` did not
     deliver and that were in a batch, in sequence order. A position padded onto a second rank
-    counts as delivered if either of its slots was."""
+    counts as delivered if either of its slots was.
+
+    Computed over the slots of every rank at once (no loop over ranks), so its cost is that of
+    the sequence, whatever the world size a saved state names: with more ranks than positions
+    each rank holds one slot, and the slots beyond the first ``length`` add no position."""
+    share = deal.per_rank(length)
+    kept = deal.kept(length)
     dealt = torch.zeros(length, dtype=torch.bool)
     seen = torch.zeros(length, dtype=torch.bool)
-    kept = deal.kept(length)
-    batch_of = torch.arange(kept, dtype=torch.int64) // deal.batch_size
-    done = delivered_mask(batch_of, segment.low, segment.above)
-    for rank in range(deal.world_size):
-        positions = deal.positions(length, rank)[:kept]
-        dealt[positions] = True
-        seen[positions[done]] = True
+    if length == 0 or kept == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    # More ranks than positions: each holds the slot (rank, 0) of position rank % length, and
+    # every rank's only batch is batch 0, so ``length`` ranks cover the same positions.
+    world = min(deal.world_size, length) if share == 1 else deal.world_size
+    for first in range(0, world * share, SLOTS_AT_ONCE):
+        slot = torch.arange(first, min(first + SLOTS_AT_ONCE, world * share), dtype=torch.int64)
+        # the slot's place in its rank's share (see Deal.positions): every world_size-th slot
+        # from the rank's own (stride), or the rank's contiguous run (blocks)
+        place = slot // world if deal.kind == STRIDE else slot % share
+        in_batch = place < kept
+        position = slot[in_batch] % length
+        batch = place[in_batch] // deal.batch_size
+        done = delivered_mask(batch, segment.low, segment.above)
+        dealt[position] = True
+        seen[position[done]] = True
     return torch.nonzero(dealt & ~seen).reshape(-1)
 
 
