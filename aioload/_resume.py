@@ -53,9 +53,6 @@ _EPOCH_MAX = 2**63 - 1
 _RNG_BYTES = torch.Generator().get_state().numel()
 _PERSISTENT = "drawn once (persistent workers)"
 _WORLD_MAX = 2**31 - 1  # torch.distributed numbers ranks with 32-bit ints
-UNSIZED_BATCHES = 2**32
-"""The most batches a saved epoch of a sampler without ``len()`` is taken to have (at 10,000
-batches a second, five days): a state that says more was delivered is refused at load."""
 
 ITERABLE_MIDDLE = (
     "the position inside an epoch of an IterableDataset is not saved: aioload cannot know how "
@@ -253,10 +250,37 @@ class Expected:
     batch_size: int | None  # the most indices in a batch; None: any number
     rank: int  # this process's rank (0 outside torch.distributed)
     mix: tuple[str, ...] | None = None  # an aioload.Mix's source names: the state holds its weights
+    listed: "Listed | None" = None  # a sampler given as a list of indices: the only ones a state may name
     # A loader whose order aioload computes resumes on another world size; the position in
     # each part of the epoch is then checked against that part's batches by the planner,
     # which knows the epoch's order (aioload._sampling.Planner.load).
     elastic: bool = False
+
+
+class Listed:
+    """The indices of a sampler given as a sequence (a list, tuple or range of indices, or of
+    batches of them, as torch accepts one): a state of its epoch names no other. Gathered when
+    a state first asks, once per load."""
+
+    def __init__(self, items):
+        self.items = items
+        self._found: frozenset | range | None = items if isinstance(items, range) else None
+
+    def __contains__(self, index: int) -> bool:
+        if self._found is None:
+            self._found = frozenset(i for item in self.items
+                                    for i in (item if isinstance(item, (list, tuple)) else (item,))
+                                    if isinstance(i, int))
+        return index in self._found
+
+    def __str__(self) -> str:
+        batches = len(self.items) and isinstance(self.items[0], (list, tuple))
+        return f"a {type(self.items).__name__} of {len(self.items)} {'batches' if batches else 'indices'}"
+
+
+def listed(sampler) -> Listed | None:
+    """:class:`Listed` for a sampler given as a list, tuple or range, else ``None``."""
+    return Listed(sampler) if type(sampler) in (list, tuple, range) else None
 
 
 def _fail(path: str, problem: str) -> ResumeError:
@@ -445,16 +469,22 @@ def _check_progress(prog, exp: Expected, world: int | None) -> dict:
         _int(order_seed, "progress.order_seed", 0, _SEED_MAX)
     segments = _check_segments(prog.get("segments", []), exp)
     n = exp.batches
+    # A sampler without len() is none that aioload replays (torch's and its own all have one),
+    # and its rest cannot be written out: a state of its epoch delivered nothing, whatever it says
+    # (an IterableDataset's, checked below, neither).
     of_n = f" (an epoch of this loader has {n} batches)" if n is not None else (
-        f" (this loader's sampler has no len(); its epochs are taken to have at most {UNSIZED_BATCHES} batches)")
-    top = n if n is not None else UNSIZED_BATCHES
+        " (this loader's sampler has no len(), so aioload can neither replay it nor write its rest out: "
+        "a state of its epoch stands for the epoch's start)")
+    top = n if n is not None else None if exp.iterable else 0
     if exp.elastic and world is not None and (segments or world != exp.config["world_size"]):
         top, of_n = _EPOCH_MAX, ""  # another world's position: the planner checks it against that world
     delivered = _keys(prog["delivered"], "progress.delivered", ("below", "also"))
     below = _int(delivered["below"], "progress.delivered.below", 0, top, of_n)
     also = _seq(delivered["also"], "progress.delivered.also")
+    if also and top is not None and below >= top - 1:
+        raise _fail("progress.delivered.also", f"must be empty after {below} batches{of_n}, got {reprlib.repr(also)}")
     for i, seq in enumerate(also):
-        _int(seq, f"progress.delivered.also[{i}]", below + 1, top - 1, of_n)
+        _int(seq, f"progress.delivered.also[{i}]", below + 1, None if top is None else top - 1, of_n)
     if len(set(also)) != len(also):
         raise _fail("progress.delivered.also", "lists a batch twice")
     inexact = prog.get("inexact")
@@ -577,6 +607,8 @@ def _check_index(value, path: str, exp: Expected) -> None:
             bound = ("an index >= 0" if length is None
                      else f"an index in [0, {length - 1}] (the dataset has {length} samples)")
             raise _fail(path, f"must be {bound}, got {value}")
+        if exp.listed is not None and value not in exp.listed:
+            raise _fail(path, f"must be one of the indices of this loader's sampler ({exp.listed}), got {value}")
     elif isinstance(value, list):
         for j, item in enumerate(value):  # nested at most MAX_DEPTH deep (_check_plain)
             _check_index(item, f"{path}[{j}]", exp)

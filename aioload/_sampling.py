@@ -666,7 +666,7 @@ class Planner:
         return _resume.Expected(
             config=self.config(), batches=_len_or_none(t._index_sampler), iterable=self.iterable,
             batched=t._auto_collation, batch_size=t.batch_size if t._auto_collation else None,
-            rank=_rank(), elastic=self._shards() is not None,
+            rank=_rank(), elastic=self._shards() is not None, listed=_resume.listed(_user_sampler(t._index_sampler)),
             mix=self._mix().dataset.names if self._mix() is not None else None,
         )
 
@@ -745,6 +745,11 @@ def _inner_sampler(index_sampler):
     :class:`ShardByRank` the one it uses in the world as it is now."""
     inner = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
     return inner.active() if isinstance(inner, ShardByRank) else inner
+
+
+def _user_sampler(index_sampler):
+    """The sampler (or batch sampler) the loader was given: the one inside torch's ``BatchSampler``."""
+    return index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
 
 
 def _replayable(index_sampler) -> bool:
