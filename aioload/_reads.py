@@ -97,6 +97,7 @@ class Stall(NamedTuple):
     blocked_s: float  # the blocking steps' seconds together
     elapsed_s: float  # seconds since the first read began
     reads: int  # reads that blocked
+    overran: float | None = None  # the read_timeout that ``index``'s read returned past, unable to fire
 
 
 class StallMeter:
@@ -141,6 +142,14 @@ class StallMeter:
                 and self.blocked_s >= 0.5 * elapsed):
             self.found = Stall(self.longest[1], self.longest[0], self.blocked_s, elapsed, len(self.blockers))
 
+    def overran(self, seconds: float, index, limit: float) -> None:
+        """``read(index)`` returned after ``seconds``, past ``read_timeout=limit``: its timeout
+        could not fire, so the loop was held at the end (a blocking step). One such read is a
+        stall at once: it defeated the timeout the loader was asked to keep."""
+        if self.found is None:
+            elapsed = time.perf_counter() - (self.first or 0.0)
+            self.found = Stall(index, seconds, max(seconds, self.blocked_s), elapsed, max(1, len(self.blockers)), limit)
+
     def take(self) -> Stall | None:
         """The stall found, the first time it is asked for (``None`` before and after)."""
         if self.found is None or self.reported:
@@ -153,11 +162,17 @@ def stall_message(stall: Stall, dataset, place: str) -> str:
     """The warning for ``stall``: which ``read`` blocks, how much, where, and the fix."""
     kind = type(dataset)
     name = f"{kind.__module__}.{kind.__qualname__}.read"
+    if stall.overran is not None:
+        what = (f"read({stall.index!r}) returned after {stall.longest_s:.1f} s, past read_timeout="
+                f"{stall.overran}, which could not fire because a step of it ran without awaiting and held "
+                "the loop; meanwhile no other read in flight moved either")
+    else:
+        what = (f"steps of it that ran without awaiting held the loop {stall.blocked_s:.1f} s of the first "
+                f"{stall.elapsed_s:.1f} s of reading (the longest {stall.longest_s:.2f} s, in "
+                f"read({stall.index!r})), and meanwhile no other read in flight moved and read_timeout "
+                "could not fire")
     return (
-        f"{name} blocks its event loop {place}: steps of it that ran without awaiting held the loop "
-        f"{stall.blocked_s:.1f} s of the first {stall.elapsed_s:.1f} s of reading (the longest "
-        f"{stall.longest_s:.2f} s, in read({stall.index!r})), and meanwhile no other read in flight "
-        "moved and read_timeout could not fire. A blocking call inside 'async def read' (time.sleep, a "
+        f"{name} blocks its event loop {place}: {what}. A blocking call inside 'async def read' (time.sleep, a "
         "synchronous HTTP client such as requests, open().read() on slow storage) does this: await it "
         "in a thread (await asyncio.to_thread(f, ...)) or use an async client (aiohttp, aiofiles, "
         "aioload.read_bytes). aioload says this once per loader (BlockingReadWarning)"
@@ -270,14 +285,23 @@ class BatchReads:
                                             weight)
                 except Exception as exc:  # noqa: BLE001 - the sample's failure, reported with it
                     seconds = time.perf_counter() - started
+                    self._overran(index, seconds, exc)
                     watch.finished(index, seconds, 0)
                     return self.failed(index, exc), seconds, 0
                 seconds = time.perf_counter() - started
+                self._overran(index, seconds)
                 size = raw_nbytes(raw)
                 watch.finished(index, seconds, size)
                 return raw, seconds, size
         finally:
             watch.ended(index)
+
+    def _overran(self, index, seconds: float, exc: Exception | None = None) -> None:
+        """A read that ended later than ``read_timeout`` (by more than a step may block) without
+        its timeout firing held its loop past the deadline: the meter hears of it at once."""
+        limit = self.read_timeout
+        if limit is not None and seconds > limit + STALL_STEP and not isinstance(exc, DataLoaderTimeoutError):
+            self.meter.overran(seconds, index, limit)
 
     def abandon(self, indices, at_hand: list) -> tuple[list, list[float], int]:
         """What :meth:`read` returns when its reads are cancelled before they begin."""

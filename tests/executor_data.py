@@ -234,3 +234,19 @@ class BlocksInRead(aioload.Dataset):
 
     def decode(self, i):
         return torch.tensor([i])
+
+
+class SleepsInRead(Indices):
+    """``read`` is ``time.sleep(seconds)`` and a return, with no await after it: read_timeout
+    cannot fire while it runs, nor once it returned."""
+
+    def __init__(self, n: int, seconds: float):
+        super().__init__(n)
+        self.seconds = seconds
+
+    async def read(self, i):
+        time.sleep(self.seconds)
+        return i
+
+    def decode(self, i):
+        return torch.tensor([i])

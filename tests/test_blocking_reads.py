@@ -6,13 +6,14 @@ wherever the reads run -- the loader's loop, a worker's, an executor's task."""
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import warnings
 
 import pytest
 import torch
 
 import aioload
-from tests.executor_data import BlocksInRead
+from tests.executor_data import BlocksInRead, SleepsInRead
 
 WHERE = {
     "loader": "on the loader's event loop",
@@ -21,9 +22,9 @@ WHERE = {
 }
 
 
-def load(where: str, dataset) -> list:
+def load(where: str, dataset, **settings) -> list:
     kwargs = {"loader": dict(num_workers=2, read_in_workers=False), "workers": dict(num_workers=1),
-              "executor": {}}[where]
+              "executor": {}}[where] | settings
     with concurrent.futures.ProcessPoolExecutor(1) as pool:
         if where == "executor":
             kwargs["executor"] = pool
@@ -40,6 +41,27 @@ def test_a_read_that_blocks_its_loop_is_warned_about_once(where):
     assert message.startswith(f"tests.executor_data.BlocksInRead.read blocks its event loop {WHERE[where]}: ")
     assert "await asyncio.to_thread(f, ...)" in message and "async client" in message
     assert said[0].filename == __file__  # pointed at the loop that iterates the loader
+
+
+@pytest.mark.parametrize("where", ["loader", "workers", "executor"])
+def test_a_read_that_returns_past_read_timeout_is_warned_about_at_once(where):
+    # issue 32 item 14: two reads that block 1 s each and return, with read_timeout=0.2: too
+    # few blocking reads for a habit, but the timeout the loader was asked to keep never fired
+    with pytest.warns(aioload.BlockingReadWarning) as said:
+        assert load(where, SleepsInRead(2, 1.0), read_timeout=0.2) == [0, 1]
+    assert len(said) == 1
+    message = str(said[0].message)
+    assert re.match(rf"tests\.executor_data\.SleepsInRead\.read blocks its event loop {WHERE[where]}: read\([01]\) "
+                    r"returned after \d+\.\d s, past read_timeout=0\.2, which could not fire because a step of it ran "
+                    r"without awaiting and held the loop", message), message
+    assert "await asyncio.to_thread(f, ...)" in message and "async client" in message
+    assert said[0].filename == __file__
+
+
+def test_a_read_that_blocks_within_read_timeout_is_no_stall():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", aioload.BlockingReadWarning)
+        assert load("workers", SleepsInRead(2, 0.06), read_timeout=5.0) == [0, 1]
 
 
 @pytest.mark.parametrize("where", ["loader", "workers"])
