@@ -250,3 +250,13 @@ class SleepsInRead(Indices):
 
     def decode(self, i):
         return torch.tensor([i])
+
+
+def datasets_alive(hold: float) -> tuple[int, int]:
+    """This process's pid and how many :class:`Big` datasets live in it, after keeping it busy
+    ``hold`` seconds (so that the next such task goes to another process)."""
+    import gc
+
+    time.sleep(hold)
+    gc.collect()
+    return os.getpid(), sum(type(thing) is Big for thing in gc.get_objects())  # type(): no __class__ lookups
