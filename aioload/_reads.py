@@ -41,6 +41,10 @@ step that blocks once -- a module imported on first use, a client set up -- is n
 STALL_READS = 3
 """Reads that must each have blocked before a stall is reported."""
 
+STALL_ALONE = 0.25
+"""Seconds from which one step that also outlasts ``read_timeout`` is a stall by itself: the
+timeout could not fire while it ran (a preempted step on a loaded machine does not run so long)."""
+
 STALL_SAMPLE = 16
 """After its first :data:`STALL_SAMPLE` ** 2 reads, a meter times one read in this many (each
 standing for as many): driving a read step by step costs a few microseconds a read on a busy
@@ -97,7 +101,7 @@ class Stall(NamedTuple):
     blocked_s: float  # the blocking steps' seconds together
     elapsed_s: float  # seconds since the first read began
     reads: int  # reads that blocked
-    overran: float | None = None  # the read_timeout that ``index``'s read returned past, unable to fire
+    overran: float | None = None  # the read_timeout that ``index``'s longest step outlasted
 
 
 class StallMeter:
@@ -105,9 +109,10 @@ class StallMeter:
     One per place that reads (an epoch's engine loop, a worker, an executor process); used
     from that loop's thread only."""
 
-    __slots__ = ("blocked_s", "longest", "first", "blockers", "found", "reported", "reads")
+    __slots__ = ("blocked_s", "longest", "first", "blockers", "found", "reported", "reads", "timeout")
 
     def __init__(self):
+        self.timeout: float | None = None  # read_timeout where it reads (BatchReads sets it): see step()
         self.blocked_s = 0.0  # the blocking steps' seconds, a timed read counted for those it stands for
         self.longest: tuple[float, Any] = (0.0, None)
         self.first: float | None = None  # when the first read began
@@ -138,17 +143,15 @@ class StallMeter:
         if len(self.blockers) < STALL_READS:
             self.blockers.add(repr(index))
         elapsed = time.perf_counter() - (self.first or 0.0)
+        if self.timeout is not None and seconds > self.timeout and seconds >= STALL_ALONE:
+            # read_timeout could not fire while this step ran: the limit the loader was asked to
+            # keep was broken by one read, which is enough (a read that returns at the end of such
+            # a step is not even failed by it)
+            self.found = Stall(index, seconds, self.blocked_s, elapsed, len(self.blockers), self.timeout)
+            return
         if (self.blocked_s >= STALL_SECONDS and len(self.blockers) >= STALL_READS
                 and self.blocked_s >= 0.5 * elapsed):
             self.found = Stall(self.longest[1], self.longest[0], self.blocked_s, elapsed, len(self.blockers))
-
-    def overran(self, seconds: float, index, limit: float) -> None:
-        """``read(index)`` returned after ``seconds``, past ``read_timeout=limit``: its timeout
-        could not fire, so the loop was held at the end (a blocking step). One such read is a
-        stall at once: it defeated the timeout the loader was asked to keep."""
-        if self.found is None:
-            elapsed = time.perf_counter() - (self.first or 0.0)
-            self.found = Stall(index, seconds, max(seconds, self.blocked_s), elapsed, max(1, len(self.blockers)), limit)
 
     def take(self) -> Stall | None:
         """The stall found, the first time it is asked for (``None`` before and after)."""
@@ -163,9 +166,9 @@ def stall_message(stall: Stall, dataset, place: str) -> str:
     kind = type(dataset)
     name = f"{kind.__module__}.{kind.__qualname__}.read"
     if stall.overran is not None:
-        what = (f"read({stall.index!r}) returned after {stall.longest_s:.1f} s, past read_timeout="
-                f"{stall.overran}, which could not fire because a step of it ran without awaiting and held "
-                "the loop; meanwhile no other read in flight moved either")
+        what = (f"a step of read({stall.index!r}) ran {stall.longest_s:.1f} s without awaiting, longer than "
+                f"read_timeout={stall.overran}, which could not fire meanwhile, and no other read in flight "
+                "moved either")
     else:
         what = (f"steps of it that ran without awaiting held the loop {stall.blocked_s:.1f} s of the first "
                 f"{stall.elapsed_s:.1f} s of reading (the longest {stall.longest_s:.2f} s, in "
@@ -215,6 +218,7 @@ class BatchReads:
         self.place = place
         self.watch = watch or _NO_WATCH
         self.meter = meter if meter is not None else StallMeter()
+        self.meter.timeout = read_timeout
         self.describe = getattr(dataset, "describe", None)
         nowait = getattr(dataset, "read_nowait", None)
         # None unless the dataset overrides read_nowait (the base class's has nothing at hand)
@@ -285,23 +289,14 @@ class BatchReads:
                                             weight)
                 except Exception as exc:  # noqa: BLE001 - the sample's failure, reported with it
                     seconds = time.perf_counter() - started
-                    self._overran(index, seconds, exc)
                     watch.finished(index, seconds, 0)
                     return self.failed(index, exc), seconds, 0
                 seconds = time.perf_counter() - started
-                self._overran(index, seconds)
                 size = raw_nbytes(raw)
                 watch.finished(index, seconds, size)
                 return raw, seconds, size
         finally:
             watch.ended(index)
-
-    def _overran(self, index, seconds: float, exc: Exception | None = None) -> None:
-        """A read that ended later than ``read_timeout`` (by more than a step may block) without
-        its timeout firing held its loop past the deadline: the meter hears of it at once."""
-        limit = self.read_timeout
-        if limit is not None and seconds > limit + STALL_STEP and not isinstance(exc, DataLoaderTimeoutError):
-            self.meter.overran(seconds, index, limit)
 
     def abandon(self, indices, at_hand: list) -> tuple[list, list[float], int]:
         """What :meth:`read` returns when its reads are cancelled before they begin."""

@@ -44,16 +44,16 @@ def test_a_read_that_blocks_its_loop_is_warned_about_once(where):
 
 
 @pytest.mark.parametrize("where", ["loader", "workers", "executor"])
-def test_a_read_that_returns_past_read_timeout_is_warned_about_at_once(where):
+def test_a_read_that_blocks_past_read_timeout_is_warned_about_at_once(where):
     # issue 32 item 14: two reads that block 1 s each and return, with read_timeout=0.2: too
     # few blocking reads for a habit, but the timeout the loader was asked to keep never fired
     with pytest.warns(aioload.BlockingReadWarning) as said:
         assert load(where, SleepsInRead(2, 1.0), read_timeout=0.2) == [0, 1]
     assert len(said) == 1
     message = str(said[0].message)
-    assert re.match(rf"tests\.executor_data\.SleepsInRead\.read blocks its event loop {WHERE[where]}: read\([01]\) "
-                    r"returned after \d+\.\d s, past read_timeout=0\.2, which could not fire because a step of it ran "
-                    r"without awaiting and held the loop", message), message
+    assert re.match(rf"tests\.executor_data\.SleepsInRead\.read blocks its event loop {WHERE[where]}: a step of "
+                    r"read\([01]\) ran \d+\.\d s without awaiting, longer than read_timeout=0\.2, which could not fire "
+                    r"meanwhile", message), message
     assert "await asyncio.to_thread(f, ...)" in message and "async client" in message
     assert said[0].filename == __file__
 
@@ -85,3 +85,21 @@ def test_the_warning_is_a_runtime_warning_that_can_be_filtered():
         warnings.filterwarnings("ignore", category=aioload.BlockingReadWarning)
         assert load("loader", BlocksInRead(30, block=0.06)) == list(range(30))
     assert torch.tensor(0).item() == 0
+
+
+def test_one_step_longer_than_read_timeout_is_a_stall_by_itself():
+    from aioload._reads import STALL_ALONE, StallMeter
+
+    def found(timeout, steps):
+        meter = StallMeter()
+        meter.timeout = timeout
+        for index, seconds in enumerate(steps):
+            meter.begin()
+            meter.step(seconds, index)
+        return meter.take()
+
+    stall = found(0.5, [0.01, 3.0])
+    assert (stall.index, stall.longest_s, stall.overran) == (1, 3.0, 0.5)
+    assert found(None, [0.01, 3.0]) is None  # without a timeout, one long step is no habit
+    assert found(5.0, [3.0]) is None  # within the timeout
+    assert found(0.06, [STALL_ALONE * 0.9]) is None  # a preempted step, not a blocking one
