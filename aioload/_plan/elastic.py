@@ -40,8 +40,8 @@ def delivered_mask(batch_of: torch.Tensor, low: int, above) -> torch.Tensor:
 
 
 SLOTS_AT_ONCE = 1 << 22
-"""Slots (rank, place in that rank's share) :func:`remainder` looks at in one step: its memory
-is a few times this many int64s, whatever the epoch's length."""
+"""Slots (a rank's place in its share) :func:`remainder` looks at in one step: its memory is a
+few times this many int64s, whatever the epoch's length."""
 
 
 def remainder(length: int, deal: Deal, segment: Segment) -> torch.Tensor:
@@ -49,29 +49,34 @@ def remainder(length: int, deal: Deal, segment: Segment) -> torch.Tensor:
     deliver and that were in a batch, in sequence order. A position padded onto a second rank
     counts as delivered if either of its slots was.
 
-    Computed over the slots of every rank at once (no loop over ranks), so its cost is that of
-    the sequence, whatever the world size a saved state names: with more ranks than positions
-    each rank holds one slot, and the slots beyond the first ``length`` add no position."""
-    share = deal.per_rank(length)
-    kept = deal.kept(length)
-    dealt = torch.zeros(length, dtype=torch.bool)
-    seen = torch.zeros(length, dtype=torch.bool)
+    Computed over every rank's slots at once (no loop over ranks), so that its cost follows the
+    sequence, whatever the world size a saved state names. The slots of all ranks, numbered as
+    :meth:`Deal.positions` numbers them, form a grid: with ``"stride"`` a row per place in a
+    rank's share (rank ``r``'s slot there is ``place * world_size + r``), with ``"blocks"`` a
+    row per rank (``r * share + place``); a slot's position is its number modulo ``length``.
+    With more ranks than positions each rank holds one slot, in batch 0: ``length`` ranks of
+    them cover the same positions."""
+    share, kept = deal.per_rank(length), deal.kept(length)
     if length == 0 or kept == 0:
         return torch.zeros(0, dtype=torch.int64)
-    # More ranks than positions: each holds the slot (rank, 0) of position rank % length, and
-    # every rank's only batch is batch 0, so ``length`` ranks cover the same positions.
     world = min(deal.world_size, length) if share == 1 else deal.world_size
-    for first in range(0, world * share, SLOTS_AT_ONCE):
-        slot = torch.arange(first, min(first + SLOTS_AT_ONCE, world * share), dtype=torch.int64)
-        # the slot's place in its rank's share (see Deal.positions): every world_size-th slot
-        # from the rank's own (stride), or the rank's contiguous run (blocks)
-        place = slot // world if deal.kind == STRIDE else slot % share
-        in_batch = place < kept
-        position = slot[in_batch] % length
-        batch = place[in_batch] // deal.batch_size
-        done = delivered_mask(batch, segment.low, segment.above)
-        dealt[position] = True
-        seen[position[done]] = True
+    places = torch.arange(kept, dtype=torch.int64)
+    done = delivered_mask(places // deal.batch_size, segment.low, segment.above)  # by place in a share
+    stride = deal.kind == STRIDE
+    rows, width = (kept, world) if stride else (world, share)
+    dealt = torch.zeros(length, dtype=torch.bool)
+    seen = torch.zeros(length, dtype=torch.bool)
+    step = max(1, SLOTS_AT_ONCE // width)
+    for first in range(0, rows, step):
+        last = min(first + step, rows)
+        grid = (torch.arange(first * width, last * width, dtype=torch.int64) % length).view(last - first, width)
+        if stride:
+            dealt[grid] = True
+            seen[grid[done[first:last]]] = True
+        else:
+            grid = grid[:, :kept]
+            dealt[grid] = True
+            seen[grid[:, done]] = True
     return torch.nonzero(dealt & ~seen).reshape(-1)
 
 
