@@ -268,9 +268,14 @@ class Listed:
 
     def __contains__(self, index: int) -> bool:
         if self._found is None:
-            self._found = frozenset(i for item in self.items
-                                    for i in (item if isinstance(item, (list, tuple)) else (item,))
-                                    if isinstance(i, int))
+            found = set()
+            for item in self.items:
+                for i in item if isinstance(item, (list, tuple)) else (item,):
+                    try:
+                        found.add(operator.index(i))  # as plain() saves it: a numpy int, a 0-d tensor
+                    except TypeError:
+                        pass  # a key of another kind (a string): not an int index
+            self._found = frozenset(found)
         return index in self._found
 
     def __str__(self) -> str:

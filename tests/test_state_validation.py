@@ -444,8 +444,11 @@ def test_indices_outside_a_listed_sampler_are_refused_at_load(kind, sized):
     assert len(rest) == 20 - (1 if kind == "unbatched" else 4 if kind == "sampler" else 2)
 
 
-def test_an_index_of_the_dataset_that_a_listed_sampler_does_not_hold_is_refused():
-    make = lambda: aioload.DataLoader(Twenty(True), batch_size=2, sampler=[3, 1, 4, 5, 9, 2, 6])  # noqa: E731
+@pytest.mark.parametrize("ints", [int, torch.tensor], ids=["int", "tensor"])
+def test_an_index_of_the_dataset_that_a_listed_sampler_does_not_hold_is_refused(ints):
+    # a list of numbers of another int type (0-d tensors, numpy ints) is saved, and checked, as ints
+    make = lambda: aioload.DataLoader(Twenty(True), batch_size=2,  # noqa: E731
+                                      sampler=[ints(i) for i in (3, 1, 4, 5, 9, 2, 6)])
     state = saved(make, 1)
     refused(replaced(state, ("progress", "batches", 0, 1, 0), 7),
             r"progress.batches\[0\]\[1\]\[0\] must be one of the indices of this loader's sampler \(a list of 7 "
