@@ -549,6 +549,9 @@ def check_position(path: str, below: int, also, batches: int, world: int) -> Non
     (called by the planner, which knows them)."""
     of_n = f" (that part of the epoch has {batches} batches on {world} rank{'s' if world > 1 else ''})"
     _int(below, f"{path}.below" if path.endswith("delivered") else f"{path}[1]", 0, batches, of_n)
+    if also and below >= batches - 1:
+        where = f"{path}.also" if path.endswith("delivered") else f"{path}[2]"
+        raise _fail(where, f"must be empty after {below} batches{of_n}, got {reprlib.repr(list(also))}")
     for j, number in enumerate(also):
         where = f"{path}.also[{j}]" if path.endswith("delivered") else f"{path}[2][{j}]"
         _int(number, where, below + 1, batches - 1, of_n)
