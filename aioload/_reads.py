@@ -283,9 +283,12 @@ class BatchReads:
             async with self.bound:
                 watch.started(index)
                 weight = self.meter.begin()
+                # With read_timeout every read is timed (beyond the sample with weight 0: it adds
+                # nothing to a habit), so that a step that outlasts the timeout is seen wherever it is.
+                timed = weight or (self.read_timeout is not None and self.meter.found is None)
                 started = time.perf_counter()
                 try:
-                    raw = await read_within(self.dataset, index, self.read_timeout, self.meter if weight else None,
+                    raw = await read_within(self.dataset, index, self.read_timeout, self.meter if timed else None,
                                             weight)
                 except Exception as exc:  # noqa: BLE001 - the sample's failure, reported with it
                     seconds = time.perf_counter() - started

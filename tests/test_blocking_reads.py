@@ -5,8 +5,10 @@ wherever the reads run -- the loader's loop, a worker's, an executor's task."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import re
+import time
 import warnings
 
 import pytest
@@ -103,3 +105,34 @@ def test_one_step_longer_than_read_timeout_is_a_stall_by_itself():
     assert found(None, [0.01, 3.0]) is None  # without a timeout, one long step is no habit
     assert found(5.0, [3.0]) is None  # within the timeout
     assert found(0.06, [STALL_ALONE * 0.9]) is None  # a preempted step, not a blocking one
+
+
+class BlocksOnce(aioload.Dataset):
+    """Every read awaits, but read ``blocker`` blocks its loop ``seconds`` first."""
+
+    def __init__(self, n: int, blocker: int, seconds: float):
+        self.n, self.blocker, self.seconds = n, blocker, seconds
+
+    def __len__(self) -> int:
+        return self.n
+
+    async def read(self, i):
+        if i == self.blocker:
+            time.sleep(self.seconds)
+            return i
+        await asyncio.sleep(0)
+        return i
+
+
+def test_a_step_past_read_timeout_is_seen_beyond_the_reads_a_meter_samples():
+    from aioload._reads import STALL_SAMPLE, BatchReads
+
+    # after the first STALL_SAMPLE ** 2 reads a meter times one in STALL_SAMPLE; with read_timeout
+    # every read is timed, so the one that blocks is found whichever it is
+    n = STALL_SAMPLE * STALL_SAMPLE + 3 * STALL_SAMPLE
+    blocker = n - STALL_SAMPLE // 2  # not one the sample times
+    core = BatchReads(BlocksOnce(n, blocker, 0.4), bound=asyncio.Semaphore(8), read_timeout=0.3)
+    raws, _, _ = asyncio.run(core.read(list(range(n))))
+    assert raws == list(range(n))
+    stall = core.meter.take()
+    assert stall is not None and (stall.index, stall.overran) == (blocker, 0.3)
