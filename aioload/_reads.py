@@ -42,6 +42,10 @@ step that blocks once -- a module imported on first use, a client set up -- is n
 STALL_READS = 3
 """Reads that must each have blocked before a stall is reported."""
 
+STALL_ALONE = 0.25
+"""Seconds from which one step that also outlasts ``read_timeout`` is a stall by itself: the
+timeout could not fire while it ran (a preempted step on a loaded machine does not run so long)."""
+
 STALL_SAMPLE = 16
 """After its first :data:`STALL_SAMPLE` ** 2 reads, a meter times one read in this many (each
 standing for as many): driving a read step by step costs a few microseconds a read on a busy
@@ -98,6 +102,7 @@ class Stall(NamedTuple):
     blocked_s: float  # the blocking steps' seconds together
     elapsed_s: float  # seconds since the first read began
     reads: int  # reads that blocked
+    overran: float | None = None  # the read_timeout that ``index``'s longest step outlasted
 
 
 class StallMeter:
@@ -105,9 +110,10 @@ class StallMeter:
     One per place that reads (an epoch's engine loop, a worker, an executor process); used
     from that loop's thread only."""
 
-    __slots__ = ("blocked_s", "longest", "first", "blockers", "found", "reported", "reads")
+    __slots__ = ("blocked_s", "longest", "first", "blockers", "found", "reported", "reads", "timeout")
 
     def __init__(self):
+        self.timeout: float | None = None  # read_timeout where it reads (BatchReads sets it): see step()
         self.blocked_s = 0.0  # the blocking steps' seconds, a timed read counted for those it stands for
         self.longest: tuple[float, Any] = (0.0, None)
         self.first: float | None = None  # when the first read began
@@ -138,6 +144,12 @@ class StallMeter:
         if len(self.blockers) < STALL_READS:
             self.blockers.add(repr(index))
         elapsed = time.perf_counter() - (self.first or 0.0)
+        if self.timeout is not None and seconds > self.timeout and seconds >= STALL_ALONE:
+            # read_timeout could not fire while this step ran: the limit the loader was asked to
+            # keep was broken by one read, which is enough (a read that returns at the end of such
+            # a step is not even failed by it)
+            self.found = Stall(index, seconds, self.blocked_s, elapsed, len(self.blockers), self.timeout)
+            return
         if (self.blocked_s >= STALL_SECONDS and len(self.blockers) >= STALL_READS
                 and self.blocked_s >= 0.5 * elapsed):
             self.found = Stall(self.longest[1], self.longest[0], self.blocked_s, elapsed, len(self.blockers))
@@ -154,11 +166,17 @@ def stall_message(stall: Stall, dataset, place: str) -> str:
     """The warning for ``stall``: which ``read`` blocks, how much, where, and the fix."""
     kind = type(dataset)
     name = f"{kind.__module__}.{kind.__qualname__}.read"
+    if stall.overran is not None:
+        what = (f"a step of read({stall.index!r}) ran {stall.longest_s:.1f} s without awaiting, longer than "
+                f"read_timeout={stall.overran}, which could not fire meanwhile, and no other read in flight "
+                "moved either")
+    else:
+        what = (f"steps of it that ran without awaiting held the loop {stall.blocked_s:.1f} s of the first "
+                f"{stall.elapsed_s:.1f} s of reading (the longest {stall.longest_s:.2f} s, in "
+                f"read({stall.index!r})), and meanwhile no other read in flight moved and read_timeout "
+                "could not fire")
     return (
-        f"{name} blocks its event loop {place}: steps of it that ran without awaiting held the loop "
-        f"{stall.blocked_s:.1f} s of the first {stall.elapsed_s:.1f} s of reading (the longest "
-        f"{stall.longest_s:.2f} s, in read({stall.index!r})), and meanwhile no other read in flight "
-        "moved and read_timeout could not fire. A blocking call inside 'async def read' (time.sleep, a "
+        f"{name} blocks its event loop {place}: {what}. A blocking call inside 'async def read' (time.sleep, a "
         "synchronous HTTP client such as requests, open().read() on slow storage) does this: await it "
         "in a thread (await asyncio.to_thread(f, ...)) or use an async client (aiohttp, aiofiles, "
         "aioload.read_bytes). aioload says this once per loader (BlockingReadWarning)"
@@ -201,6 +219,7 @@ class BatchReads:
         self.place = place
         self.watch = watch or _NO_WATCH
         self.meter = meter if meter is not None else StallMeter()
+        self.meter.timeout = read_timeout
         self.describe = getattr(dataset, "describe", None)
         nowait = getattr(dataset, "read_nowait", None)
         # None unless the dataset overrides read_nowait (the base class's has nothing at hand)
@@ -265,10 +284,13 @@ class BatchReads:
             async with self.bound:
                 watch.started(index)
                 weight = self.meter.begin()
+                # With read_timeout every read is timed (beyond the sample with weight 0: it adds
+                # nothing to a habit), so that a step that outlasts the timeout is seen wherever it is.
+                timed = weight or (self.read_timeout is not None and self.meter.found is None)
                 started = time.perf_counter()
                 dropped, token = arrived.tally()  # what arrived and was not returned (a Range ignored)
                 try:
-                    raw = await read_within(self.dataset, index, self.read_timeout, self.meter if weight else None,
+                    raw = await read_within(self.dataset, index, self.read_timeout, self.meter if timed else None,
                                             weight)
                 except Exception as exc:  # noqa: BLE001 - the sample's failure, reported with it
                     seconds = time.perf_counter() - started

@@ -52,9 +52,7 @@ _SEED_MAX = 2**63 - 1  # base seeds are drawn as non-negative int64, or derived 
 _EPOCH_MAX = 2**63 - 1
 _RNG_BYTES = torch.Generator().get_state().numel()
 _PERSISTENT = "drawn once (persistent workers)"
-UNSIZED_BATCHES = 2**32
-"""The most batches a saved epoch of a sampler without ``len()`` is taken to have (at 10,000
-batches a second, five days): a state that says more was delivered is refused at load."""
+_WORLD_MAX = 2**31 - 1  # torch.distributed numbers ranks with 32-bit ints
 
 ITERABLE_MIDDLE = (
     "the position inside an epoch of an IterableDataset is not saved: aioload cannot know how "
@@ -252,10 +250,42 @@ class Expected:
     batch_size: int | None  # the most indices in a batch; None: any number
     rank: int  # this process's rank (0 outside torch.distributed)
     mix: tuple[str, ...] | None = None  # an aioload.Mix's source names: the state holds its weights
+    listed: "Listed | None" = None  # a sampler given as a list of indices: the only ones a state may name
     # A loader whose order aioload computes resumes on another world size; the position in
     # each part of the epoch is then checked against that part's batches by the planner,
     # which knows the epoch's order (aioload._sampling.Planner.load).
     elastic: bool = False
+
+
+class Listed:
+    """The indices of a sampler given as a sequence (a list, tuple or range of indices, or of
+    batches of them, as torch accepts one): a state of its epoch names no other. Gathered when
+    a state first asks, once per load."""
+
+    def __init__(self, items):
+        self.items = items
+        self._found: frozenset | range | None = items if isinstance(items, range) else None
+
+    def __contains__(self, index: int) -> bool:
+        if self._found is None:
+            found = set()
+            for item in self.items:
+                for i in item if isinstance(item, (list, tuple)) else (item,):
+                    try:
+                        found.add(operator.index(i))  # as plain() saves it: a numpy int, a 0-d tensor
+                    except TypeError:
+                        pass  # a key of another kind (a string): not an int index
+            self._found = frozenset(found)
+        return index in self._found
+
+    def __str__(self) -> str:
+        batches = len(self.items) and isinstance(self.items[0], (list, tuple))
+        return f"a {type(self.items).__name__} of {len(self.items)} {'batches' if batches else 'indices'}"
+
+
+def listed(sampler) -> Listed | None:
+    """:class:`Listed` for a sampler given as a list, tuple or range, else ``None``."""
+    return Listed(sampler) if type(sampler) in (list, tuple, range) else None
 
 
 def _fail(path: str, problem: str) -> ResumeError:
@@ -380,7 +410,7 @@ def _check_config(cfg, exp: Expected) -> dict:
     _keys(cfg, "config", [k for k in mine if k != "world_size"], ("world_size",))
     if "world_size" in cfg:
         if cfg["world_size"] is not None:
-            _int(cfg["world_size"], "config.world_size", 1, None)
+            _int(cfg["world_size"], "config.world_size", 1, _WORLD_MAX)
         if not exp.elastic:
             check_world(cfg["world_size"], mine["world_size"], "load_state_dict()")
     for key, value in mine.items():
@@ -444,16 +474,22 @@ def _check_progress(prog, exp: Expected, world: int | None) -> dict:
         _int(order_seed, "progress.order_seed", 0, _SEED_MAX)
     segments = _check_segments(prog.get("segments", []), exp)
     n = exp.batches
+    # A sampler without len() is none that aioload replays (torch's and its own all have one),
+    # and its rest cannot be written out: a state of its epoch delivered nothing, whatever it says
+    # (an IterableDataset's, checked below, neither).
     of_n = f" (an epoch of this loader has {n} batches)" if n is not None else (
-        f" (this loader's sampler has no len(); its epochs are taken to have at most {UNSIZED_BATCHES} batches)")
-    top = n if n is not None else UNSIZED_BATCHES
+        " (this loader's sampler has no len(), so aioload can neither replay it nor write its rest out: "
+        "a state of its epoch stands for the epoch's start)")
+    top = n if n is not None else None if exp.iterable else 0
     if exp.elastic and world is not None and (segments or world != exp.config["world_size"]):
         top, of_n = _EPOCH_MAX, ""  # another world's position: the planner checks it against that world
     delivered = _keys(prog["delivered"], "progress.delivered", ("below", "also"))
     below = _int(delivered["below"], "progress.delivered.below", 0, top, of_n)
     also = _seq(delivered["also"], "progress.delivered.also")
+    if also and top is not None and below >= top - 1:
+        raise _fail("progress.delivered.also", f"must be empty after {below} batches{of_n}, got {reprlib.repr(also)}")
     for i, seq in enumerate(also):
-        _int(seq, f"progress.delivered.also[{i}]", below + 1, top - 1, of_n)
+        _int(seq, f"progress.delivered.also[{i}]", below + 1, None if top is None else top - 1, of_n)
     if len(set(also)) != len(also):
         raise _fail("progress.delivered.also", "lists a batch twice")
     inexact = prog.get("inexact")
@@ -476,7 +512,7 @@ def _check_progress(prog, exp: Expected, world: int | None) -> dict:
         raise _fail("progress.batches", "must be None: this loader's sampler has no len(), so the rest of its "
                                         "epoch is never written out (such a state resumes by replaying the sampler)")
     decoded = _check_batches(batches, below, also, exp)
-    if "rank" in prog and _int(rank, "progress.rank", 0, None) != exp.rank:
+    if "rank" in prog and _int(rank, "progress.rank", 0, _WORLD_MAX - 1) != exp.rank:
         raise ResumeError(
             f"this state lists the remaining indices of rank {rank} (its sampler cannot be replayed, so "
             f"they were written out), but this is rank {exp.rank}: load into each rank the state it saved"
@@ -495,9 +531,11 @@ def _check_segments(segments, exp: Expected) -> list:
         path = f"progress.segments[{i}]"
         if not isinstance(entry, (list, tuple)) or len(entry) != 3:
             raise _fail(path, "must be a [world_size, below, also] triple")
-        world = _int(entry[0], f"{path}[0]", 1, None)
+        world = _int(entry[0], f"{path}[0]", 1, _WORLD_MAX)
         below = _int(entry[1], f"{path}[1]", 0, _EPOCH_MAX)
         also = _seq(entry[2], f"{path}[2]")
+        if not below and not also:  # so there are at most as many parts as samples in the epoch
+            raise _fail(path, "delivers no batch: a part of the epoch is saved only once it delivered one")
         for j, number in enumerate(also):
             _int(number, f"{path}[2][{j}]", below + 1, _EPOCH_MAX)
         if len(set(also)) != len(also):
@@ -511,6 +549,9 @@ def check_position(path: str, below: int, also, batches: int, world: int) -> Non
     (called by the planner, which knows them)."""
     of_n = f" (that part of the epoch has {batches} batches on {world} rank{'s' if world > 1 else ''})"
     _int(below, f"{path}.below" if path.endswith("delivered") else f"{path}[1]", 0, batches, of_n)
+    if also and below >= batches - 1:
+        where = f"{path}.also" if path.endswith("delivered") else f"{path}[2]"
+        raise _fail(where, f"must be empty after {below} batches{of_n}, got {reprlib.repr(list(also))}")
     for j, number in enumerate(also):
         where = f"{path}.also[{j}]" if path.endswith("delivered") else f"{path}[2][{j}]"
         _int(number, where, below + 1, batches - 1, of_n)
@@ -574,6 +615,8 @@ def _check_index(value, path: str, exp: Expected) -> None:
             bound = ("an index >= 0" if length is None
                      else f"an index in [0, {length - 1}] (the dataset has {length} samples)")
             raise _fail(path, f"must be {bound}, got {value}")
+        if exp.listed is not None and value not in exp.listed:
+            raise _fail(path, f"must be one of the indices of this loader's sampler ({exp.listed}), got {value}")
     elif isinstance(value, list):
         for j, item in enumerate(value):  # nested at most MAX_DEPTH deep (_check_plain)
             _check_index(item, f"{path}[{j}]", exp)

@@ -27,7 +27,7 @@ from aioload import _resume
 from aioload._engine.ready import Delivered
 from aioload._engine.spec import Plan
 from aioload._plan.deal import Deal
-from aioload._plan.elastic import Segment, rest_of_epoch
+from aioload._plan.elastic import Segment, remainder, rest_of_epoch
 from aioload._mix.tally import SourceTally
 from aioload._mix.weights import with_change
 from aioload._plan.order import STRIDE, deal_of, epoch_order, has_own_order
@@ -488,12 +488,10 @@ class Planner:
         if progress["order_seed"] is None:
             return  # refused by _elastic() with the reason
         length = self._shards().order(progress["order_seed"], resume["epoch"]).numel()
-        done: list[Segment] = []
+        rest = length  # what the parts before left of the epoch: each part is checked in one step
         for i, (world, below, also) in enumerate(progress["segments"]):
-            rest = rest_of_epoch(length, done, self._deal).numel()
             _resume.check_position(f"progress.segments[{i}]", below, also, self._deal(world).batches(rest), world)
-            done.append(Segment(world, below, also))
-        rest = rest_of_epoch(length, done, self._deal).numel()
+            rest = remainder(rest, self._deal(world), Segment(world, below, also)).numel()
         delivered = progress["delivered"]
         _resume.check_position("progress.delivered", delivered["below"], delivered["also"],
                                self._deal(saved).batches(rest), saved)
@@ -668,7 +666,7 @@ class Planner:
         return _resume.Expected(
             config=self.config(), batches=_len_or_none(t._index_sampler), iterable=self.iterable,
             batched=t._auto_collation, batch_size=t.batch_size if t._auto_collation else None,
-            rank=_rank(), elastic=self._shards() is not None,
+            rank=_rank(), elastic=self._shards() is not None, listed=_resume.listed(_user_sampler(t._index_sampler)),
             mix=self._mix().dataset.names if self._mix() is not None else None,
         )
 
@@ -747,6 +745,11 @@ def _inner_sampler(index_sampler):
     :class:`ShardByRank` the one it uses in the world as it is now."""
     inner = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
     return inner.active() if isinstance(inner, ShardByRank) else inner
+
+
+def _user_sampler(index_sampler):
+    """The sampler (or batch sampler) the loader was given: the one inside torch's ``BatchSampler``."""
+    return index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
 
 
 def _replayable(index_sampler) -> bool:

@@ -234,3 +234,29 @@ class BlocksInRead(aioload.Dataset):
 
     def decode(self, i):
         return torch.tensor([i])
+
+
+class SleepsInRead(Indices):
+    """``read`` is ``time.sleep(seconds)`` and a return, with no await after it: read_timeout
+    cannot fire while it runs, nor once it returned."""
+
+    def __init__(self, n: int, seconds: float):
+        super().__init__(n)
+        self.seconds = seconds
+
+    async def read(self, i):
+        time.sleep(self.seconds)
+        return i
+
+    def decode(self, i):
+        return torch.tensor([i])
+
+
+def datasets_alive(hold: float) -> tuple[int, int]:
+    """This process's pid and how many :class:`Big` datasets live in it, after keeping it busy
+    ``hold`` seconds (so that the next such task goes to another process)."""
+    import gc
+
+    time.sleep(hold)
+    gc.collect()
+    return os.getpid(), sum(type(thing) is Big for thing in gc.get_objects())  # type(): no __class__ lookups

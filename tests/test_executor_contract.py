@@ -15,7 +15,7 @@ import torch
 import aioload
 from aioload._engine import executor as _executor
 from tests.executor_data import (Augmented, Big, InitLog, LocalObjects, SlowRead, TwoDraws, WorkerInfoSeen,
-                                 collate_with_lock, failing_init, keep_objects, tagged_collate,
+                                 collate_with_lock, datasets_alive, failing_init, keep_objects, tagged_collate,
                                  tokens_held)
 
 distributed = pytest.importorskip("distributed")  # in the test extra; real clusters below
@@ -240,6 +240,30 @@ def test_closing_the_loader_drops_its_dataset_in_every_process_of_a_pool(trial):
         left = {pid: tokens for pid, tokens in every_process(pool, tokens_held, 0.05).items()
                 if token in tokens}
     assert left == {}, f"processes {sorted(left)} kept the closed loader's dataset"
+
+
+def pool_started_before_any_dataset(context: str) -> concurrent.futures.ProcessPoolExecutor:
+    """A two-process pool whose processes hold nothing of the training process's datasets: a
+    forked process keeps a copy of whatever its parent held when it started (nothing can free
+    it there), so with ``fork`` they start now, before the test makes any."""
+    import multiprocessing
+
+    pool = concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context(context))
+    if context == "fork":
+        pool.submit(os.getpid).result()  # a fork pool starts all its processes at its first task
+    return pool
+
+
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_no_process_of_a_pool_keeps_the_dataset_of_a_closed_loader(context):
+    # issue 32 item 16: four loaders of a 20 MiB dataset, each closed after an epoch. The last
+    # task's get_worker_info() kept its loader's dataset in each process (0 of 4 trials passed).
+    with pool_started_before_any_dataset(context) as pool:
+        for _ in range(4):
+            with aioload.DataLoader(Big(16, 20), batch_size=4, executor=pool) as loader:
+                assert len(list(loader)) == 4
+                assert sum(every_process(pool, datasets_alive, 0.05).values()) >= 1  # it was there
+            assert every_process(pool, datasets_alive, 0.05) == dict.fromkeys(pool._processes, 0)
 
 
 def memfds(pid: int) -> list[str]:

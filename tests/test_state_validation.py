@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import re
 import reprlib
 import warnings
 
@@ -311,20 +312,51 @@ class Many(Ints):
         return 4 * 10**6
 
 
-def test_a_sampler_without_len_bounds_what_a_state_says_was_delivered():
+NO_LEN = (r"\(this loader's sampler has no len\(\), so aioload can neither replay it nor write its rest out: a "
+          r"state of its epoch stands for the epoch's start\)")
+
+
+def peak_rss_growth_kb(action) -> int:
+    """How far this process's peak RSS rose above its RSS while ``action()`` ran (the peak is
+    reset first, through /proc/self/clear_refs)."""
+    from tests.resources import status_kb
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = status_kb("self", "VmRSS")
+    action()
+    return status_kb("self", "VmHWM") - before
+
+
+def test_a_sampler_without_len_has_no_position_a_state_can_resume():
+    # issue 32 item 15: such a sampler is never replayed and its rest never written out, so
+    # whatever a state says was delivered (10**7 batches: once a set of them, then silently
+    # accepted below a bound of 2**32) cannot be; it is refused at load, in little memory.
     make = lambda: aioload.DataLoader(Ints(), batch_size=BATCH, sampler=Endless())  # noqa: E731
     state = saved(make, 1)
     assert state["progress"]["inexact"] is not None and state["progress"]["batches"] is None
     exact = replaced(state, ("progress", "inexact"), None)
-    refused(replaced(exact, ("progress", "delivered", "below"), 10**12),
-            r"progress.delivered.below must be an int in \[0, 4294967296\] \(this loader's sampler has no len\(\); "
-            r"its epochs are taken to have at most 4294967296 batches\), got 1000000000000", make)
+    with make() as loader:
+        def load_late():
+            with pytest.raises(ResumeError, match=rf"^cannot load this state: progress.delivered.below must be an int "
+                                                  rf"in \[0, 0\] {NO_LEN}, got 10000000; "):
+                loader.load_state_dict(replaced(exact, ("progress", "delivered", "below"), 10**7))
+
+        assert peak_rss_growth_kb(load_late) < 100 * 1024
+    for below in (1, 10**12):
+        refused(replaced(exact, ("progress", "delivered", "below"), below),
+                rf"progress.delivered.below must be an int in \[0, 0\] {NO_LEN}, got {below}", make)
     refused(replaced(exact, ("progress", "delivered", "also"), [2**40]),
-            r"progress.delivered.also\[0\] must be an int in \[1, 4294967295\] .*, got 1099511627776", make)
-    listed = replaced(replaced(exact, ("progress", "delivered", "below"), 4 * 10**6),
-                      ("progress", "batches"), [[4 * 10**6, [0, 1, 2]]])
+            rf"progress.delivered.also must be empty after 0 batches {NO_LEN}, got \[1099511627776\]", make)
+    listed = replaced(exact, ("progress", "batches"), [[0, [0, 1, 2]]])
     refused(listed, r"progress.batches must be None: this loader's sampler has no len\(\), so the rest of its "
                     r"epoch is never written out \(such a state resumes by replaying the sampler\)", make)
+    with make() as loader:  # the state it saves (the epoch's start) loads, and replays the epoch
+        with pytest.warns(ResumeWarning, match="resumes epoch 0 from its start"):
+            loader.load_state_dict(state)
+        assert [i for b in loader for i in b.tolist()] == list(range(N))
+        loader.load_state_dict(exact)  # nothing delivered: also the epoch's start
+        assert [i for b in loader for i in b.tolist()] == list(range(N))
 
 
 def test_a_position_late_in_a_long_epoch_is_checked_in_little_memory():
@@ -365,3 +397,61 @@ def test_indices_inside_nested_lists_are_checked_against_the_dataset():
     with make() as loader:  # a list index within the dataset loads, and reaches the dataset as a list
         loader.load_state_dict(replaced(state, ("progress", "batches", 0, 1), [3, 4]))
         assert list(loader)[0] == 0 and first[0] == 2
+
+
+# -- a sampler given as a list: its indices are the only ones a state may name ------------------
+class Twenty(torch.utils.data.Dataset):
+    """20 samples, with or without len()."""
+
+    def __init__(self, sized: bool):
+        self.sized = sized
+
+    def __len__(self) -> int:
+        if not self.sized:
+            raise TypeError("no len()")
+        return 20
+
+    def __getitem__(self, i):
+        if not 0 <= i < 20:
+            raise IndexError(f"index {i} is out of range")
+        return i
+
+
+LISTED = {
+    "sampler": dict(batch_size=4, sampler=list(range(19, -1, -1))),
+    "batch_sampler": dict(batch_sampler=[[i, i + 1] for i in range(0, 20, 2)]),
+    "unbatched": dict(batch_size=None, sampler=list(range(20))),
+}
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["len", "no-len"])
+@pytest.mark.parametrize("kind", list(LISTED))
+def test_indices_outside_a_listed_sampler_are_refused_at_load(kind, sized):
+    # issue 32 item 17: 10**6 and -10**6 for 20 samples, refused at load whether the dataset
+    # says its length or only the sampler's list does (once they reached __getitem__)
+    make = lambda: aioload.DataLoader(Twenty(sized), **LISTED[kind])  # noqa: E731
+    state = saved(make, 1)
+    where = ("progress", "batches", 0, 1) if kind == "unbatched" else ("progress", "batches", 0, 1, 0)
+    path = re.escape("".join(f"[{step}]" if isinstance(step, int) else f".{step}" for step in where)[1:])
+    for bad in (10**6, -(10**6)):
+        rule = ("an index in [0, 19] (the dataset has 20 samples)" if sized
+                else "an index >= 0" if bad < 0 else "one of the indices of this loader's sampler "
+                + ("(a list of 10 batches)" if kind == "batch_sampler" else "(a list of 20 indices)"))
+        refused(replaced(state, where, bad), rf"{path} must be {re.escape(rule)}, got {bad}", make)
+    with make() as loader:  # the state as saved loads, and resumes within the list
+        loader.load_state_dict(state)
+        rest = [i for b in loader for i in (b.tolist() if isinstance(b, torch.Tensor) else [b])]
+    assert len(rest) == 20 - (1 if kind == "unbatched" else 4 if kind == "sampler" else 2)
+
+
+@pytest.mark.parametrize("ints", [int, torch.tensor], ids=["int", "tensor"])
+def test_an_index_of_the_dataset_that_a_listed_sampler_does_not_hold_is_refused(ints):
+    # a list of numbers of another int type (0-d tensors, numpy ints) is saved, and checked, as ints
+    make = lambda: aioload.DataLoader(Twenty(True), batch_size=2,  # noqa: E731
+                                      sampler=[ints(i) for i in (3, 1, 4, 5, 9, 2, 6)])
+    state = saved(make, 1)
+    refused(replaced(state, ("progress", "batches", 0, 1, 0), 7),
+            r"progress.batches\[0\]\[1\]\[0\] must be one of the indices of this loader's sampler \(a list of 7 "
+            r"indices\), got 7", make)
+    loaded_rest = loaded(state, make)
+    assert [i for b in loaded_rest for i in b] == [4, 5, 9, 2, 6]

@@ -154,11 +154,51 @@ def test_segments_are_checked_when_loaded(ranks):
     with pytest.raises(ValueError, match=r"progress.segments\[0\]\[1\] must be an int in \[0, 6\]"):
         fresh.load(bad)
     bad = {**again, "progress": {**again["progress"], "segments": [[0, 1, []]]}}
-    with pytest.raises(ValueError, match=r"progress.segments\[0\]\[0\] must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"progress.segments\[0\]\[0\] must be an int in \[1, 2147483647\], got 0"):
         fresh.load(bad)
     plain = make_planner(LENGTH, BATCH, seed=5, sampler=torch.utils.data.SequentialSampler(range(LENGTH)))
     with pytest.raises(ValueError, match=r"progress.segments must be empty: this loader's order"):
         plain.load({**again, "config": plain.config(), "progress": again["progress"]})
+
+
+def test_a_state_naming_a_huge_world_is_checked_in_the_time_of_its_epoch(ranks):
+    # A few bytes of state (issue 32 item 7): a part of the epoch run on 2**31 - 1 ranks. The
+    # rest of the epoch is computed without a loop over ranks, so loading answers at once.
+    _, state = save_after(ranks, 4, 2)
+    huge = 2**31 - 1
+    ranks(0, 2)
+    fresh = make_planner(LENGTH, BATCH, shuffle=True, seed=5)
+    # batch 0 on every one of those ranks covered the whole epoch: nothing is left for the 4
+    # ranks that saved the state, so their 2 delivered batches cannot be
+    late = {**state, "progress": {**state["progress"], "segments": [[huge, 1, []]]}}
+    with pytest.raises(ValueError, match=r"progress.delivered.below must be an int in \[0, 0\] \(that part of "
+                                         r"the epoch has 0 batches on 4 ranks\), got 2"):
+        fresh.load(late)
+    # on those ranks, nothing delivered: what is left is the whole epoch, dealt over 4 then 2
+    early = {**state, "config": {**state["config"], "world_size": huge},
+             "progress": {**state["progress"], "delivered": {"below": 0, "also": [5]}}}
+    with pytest.raises(ValueError, match=rf"progress.delivered.also must be empty after 0 batches \(that part of "
+                                         rf"the epoch has 1 batches on {huge} ranks\), got \[5\]"):
+        fresh.load(early)
+    early["progress"]["delivered"] = {"below": 0, "also": []}
+    plan, _ = fresh.plan(0, fresh.load(early), False)
+    assert samples([[b for _, b in plan.batches]]) == samples([plan_rank(ranks, 0, 2)[2]])
+
+
+def test_world_sizes_and_parts_of_an_epoch_are_bounded(ranks):
+    _, state = save_after(ranks, 4, 2)
+    ranks(0, 2)
+    fresh = make_planner(LENGTH, BATCH, shuffle=True, seed=5)
+    for where, bad in ((("config", "world_size"), 2**31), (("progress", "segments"), [[2**31, 1, []]])):
+        edited = {**state, where[0]: {**state[where[0]], where[1]: bad}}
+        with pytest.raises(ValueError, match=r"(config.world_size|progress.segments\[0\]\[0\]) must be an int in "
+                                             r"\[1, 2147483647\], got 2147483648"):
+            fresh.load(edited)
+    # a part of the epoch that delivered nothing is never saved: a state is at most one part a sample
+    empty = {**state, "progress": {**state["progress"], "segments": [[3, 0, []]] * 10**5}}
+    with pytest.raises(ValueError, match=r"progress.segments\[0\] delivers no batch: a part of the epoch is saved "
+                                         r"only once it delivered one"):
+        fresh.load(empty)
 
 
 # ----------------------------------------------------------------------------- the pure parts
@@ -167,6 +207,28 @@ def test_remainder_counts_a_padded_position_delivered_if_either_slot_was():
     # rank 0: 0 3 6 | rank 1: 1 4 0 | rank 2: 2 5 1 ; batch 0 of each: (0 3) (1 4) (2 5)
     assert remainder(7, deal, Segment(3, 1)).tolist() == [6]
     assert remainder(7, deal, Segment(3, 0)).tolist() == list(range(7))
+
+
+@pytest.mark.parametrize("kind", ["stride", "blocks"])
+def test_a_world_larger_than_the_sequence_is_computed_as_one_rank_a_position(kind):
+    # 2**31 - 1 ranks of one slot each: the same positions as 20 ranks (no loop over ranks)
+    for low in (0, 1):
+        huge = remainder(20, Deal(2**31 - 1, 4, kind=kind), Segment(2**31 - 1, low))
+        assert huge.tolist() == remainder(20, Deal(20, 4, kind=kind), Segment(20, low)).tolist()
+        assert huge.tolist() == ([] if low else list(range(20)))
+    assert remainder(20, Deal(2**31 - 1, 4, drop_last=True, kind=kind), Segment(2**31 - 1, 0)).tolist() == []
+
+
+def test_remainder_is_the_same_in_slices_as_at_once(monkeypatch):
+    from aioload._plan import elastic
+
+    cases = [(length, Deal(world, batch, drop_last, kind), Segment(world, low, above))
+             for length in (0, 1, 7, 23) for world in (1, 3, 8, 30) for batch in (1, 2, 5)
+             for drop_last in (False, True) for kind in ("stride", "blocks") for low, above in ((0, ()), (1, (2,)))]
+    whole = [remainder(*case).tolist() for case in cases]
+    monkeypatch.setattr(elastic, "SLOTS_AT_ONCE", 3)
+    assert [remainder(*case).tolist() for case in cases] == whole
+    assert any(whole) and not all(whole)
 
 
 def test_rest_of_epoch_applies_segments_in_turn():

@@ -229,8 +229,17 @@ def _keep(token: str, known: _Known) -> _Known | None:
         found = _known.setdefault(token, known)  # another thread may have installed it meanwhile
         _known.move_to_end(token)
         while len(_known) > KEEP_DATASETS:
-            _known.popitem(last=False)
+            _let_go(_known.popitem(last=False)[1])
         return found
+
+
+def _let_go(known: _Known) -> None:
+    """Nothing of this process keeps ``known``'s dataset once it is dropped: torch's
+    ``WorkerInfo`` of the last task that ran here (``get_worker_info()``) names the dataset of
+    its loader, and would hold it until another loader's task came (for ever, after the last)."""
+    info = torch_worker._worker_info
+    if info is not None and known.info is not None and info is known.info:
+        torch_worker._worker_info = None
 
 
 def _dataset_for(token: str, blob: bytes | None, local: tuple | None, init: tuple | None) -> _Known | None:
@@ -261,7 +270,11 @@ def forget(token: str) -> bool:
         if token not in _forgotten:
             _forgotten.append(token)
         _init_failures.pop(token, None)
-        return _known.pop(token, None) is not None
+        known = _known.pop(token, None)
+        if known is None:
+            return False
+        _let_go(known)
+    return True
 
 
 def forget_and_hold(token: str, hold: float) -> int:

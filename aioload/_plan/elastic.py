@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from aioload._plan.deal import Deal
+from aioload._plan.order import STRIDE
 
 
 @dataclass(frozen=True)
@@ -38,19 +39,44 @@ def delivered_mask(batch_of: torch.Tensor, low: int, above) -> torch.Tensor:
     return mask
 
 
+SLOTS_AT_ONCE = 1 << 22
+"""Slots (a rank's place in its share) :func:`remainder` looks at in one step: its memory is a
+few times this many int64s, whatever the epoch's length."""
+
+
 def remainder(length: int, deal: Deal, segment: Segment) -> torch.Tensor:
     """The positions of a sequence of ``length``, dealt by ``deal``, that ``segment`` did not
     deliver and that were in a batch, in sequence order. A position padded onto a second rank
-    counts as delivered if either of its slots was."""
+    counts as delivered if either of its slots was.
+
+    Computed over every rank's slots at once (no loop over ranks), so that its cost follows the
+    sequence, whatever the world size a saved state names. The slots of all ranks, numbered as
+    :meth:`Deal.positions` numbers them, form a grid: with ``"stride"`` a row per place in a
+    rank's share (rank ``r``'s slot there is ``place * world_size + r``), with ``"blocks"`` a
+    row per rank (``r * share + place``); a slot's position is its number modulo ``length``.
+    With more ranks than positions each rank holds one slot, in batch 0: ``length`` ranks of
+    them cover the same positions."""
+    share, kept = deal.per_rank(length), deal.kept(length)
+    if length == 0 or kept == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    world = min(deal.world_size, length) if share == 1 else deal.world_size
+    places = torch.arange(kept, dtype=torch.int64)
+    done = delivered_mask(places // deal.batch_size, segment.low, segment.above)  # by place in a share
+    stride = deal.kind == STRIDE
+    rows, width = (kept, world) if stride else (world, share)
     dealt = torch.zeros(length, dtype=torch.bool)
     seen = torch.zeros(length, dtype=torch.bool)
-    kept = deal.kept(length)
-    batch_of = torch.arange(kept, dtype=torch.int64) // deal.batch_size
-    done = delivered_mask(batch_of, segment.low, segment.above)
-    for rank in range(deal.world_size):
-        positions = deal.positions(length, rank)[:kept]
-        dealt[positions] = True
-        seen[positions[done]] = True
+    step = max(1, SLOTS_AT_ONCE // width)
+    for first in range(0, rows, step):
+        last = min(first + step, rows)
+        grid = (torch.arange(first * width, last * width, dtype=torch.int64) % length).view(last - first, width)
+        if stride:
+            dealt[grid] = True
+            seen[grid[done[first:last]]] = True
+        else:
+            grid = grid[:, :kept]
+            dealt[grid] = True
+            seen[grid[:, done]] = True
     return torch.nonzero(dealt & ~seen).reshape(-1)
 
 
