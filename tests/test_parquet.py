@@ -199,3 +199,19 @@ def test_without_pyarrow_the_error_names_the_extra(files, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(ImportError, match=re.escape("aioload.Parquet needs pyarrow: pip install 'aioload[parquet]'")):
         aioload.Parquet(files)
+
+
+def test_make_data_writes_the_images_as_parquet_sorted_by_class(tmp_path, capsys):
+    from aioload._tools import cli as _cli
+    from aioload._tools.synth import make_data
+
+    target = tmp_path / "pq"
+    assert _cli.main(["make-data", str(target), "--images", "12", "--classes", "3", "--format", "parquet"]) == 0
+    assert "12 JPEGs in 3 classes as Parquet files under" in capsys.readouterr().out
+    ds = aioload.Parquet(target)
+    assert ds.images == ["image"] and len(ds) == 12
+    folder = make_data(tmp_path / "jpeg", 12, classes=3)  # the same images as the folder's
+    rows = [ds[i] for i in range(12)]
+    assert [r["label"] for r in rows] == [0] * 4 + [1] * 4 + [2] * 4
+    jpeg = aioload.decode_image((folder / "class_001" / "img_000001.jpg").read_bytes())
+    assert torch.equal(rows[4]["image"], jpeg)
