@@ -83,6 +83,7 @@ class Chunks:
         self.parts = parts
         self.nbytes = 2 * sum(len(d) for _, d in parts)
         self._table: Any = None
+        self._numeric: set[str] | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
 
@@ -107,6 +108,20 @@ class Chunks:
             if self._error is not None:
                 raise self._error
             return self._table
+
+
+    def numeric_lists(self, table) -> set[str]:
+        """The columns of ``table`` that are lists of integers or floats."""
+        if self._numeric is None:
+            import pyarrow as pa
+
+            def numeric(t) -> bool:
+                return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+            self._numeric = {f.name for f in table.schema
+                             if (pa.types.is_list(f.type) or pa.types.is_large_list(f.type))
+                             and numeric(f.type.value_type)}
+        return self._numeric
 
 
 async def fetch(storage: Storage, url: str, requests: list[tuple[int, int]]) -> Chunks:
