@@ -219,3 +219,15 @@ def test_make_data_writes_the_images_as_parquet_sorted_by_class(tmp_path, capsys
     assert [r["label"] for r in rows] == [0] * 4 + [1] * 4 + [2] * 4
     jpeg = aioload.decode_image((folder / "class_001" / "img_000001.jpg").read_bytes())
     assert torch.equal(rows[4]["image"], jpeg)
+
+
+def test_reads_stay_in_the_workers_with_a_storage_cache(files):
+    # a read's result is its whole row group: sending it from the training process for every
+    # row would cost the row group's bytes per row
+    storage = aioload.Storage(cache=aioload.MemoryCache(64 << 20))
+    ds = aioload.Parquet(files, columns=COLUMNS, storage=storage)
+    assert ds.read_in_workers
+    footers = storage.cache.stats().misses  # the footers' reads, here
+    with aioload.DataLoader(ds, batch_size=4, num_workers=2, collate_fn=as_list) as dl:
+        assert [plain(r) for r in rows_of(dl)] == reference(files, COLUMNS)
+    assert storage.cache.stats().misses == footers  # this process's copy of the cache read no row group

@@ -218,6 +218,13 @@ class Parquet(Dataset):
         """The epoch's order over every rank: each row once, a function of the arguments."""
         return self._layout.epoch_order(self.window, seed, epoch, shuffle)
 
+    @property
+    def read_in_workers(self) -> bool:  # type: ignore[override]
+        """Always: a read hands its worker the whole row group it fetched, which is cheap in the
+        process that decodes and costly to send to another (a storage cache is then each
+        worker's own)."""
+        return True
+
     # -- reads ----------------------------------------------------------------------------------
     def _key(self, index: int) -> tuple[int, int]:
         f, g, _ = self._layout.locate(index)

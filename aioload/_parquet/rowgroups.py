@@ -67,7 +67,7 @@ class _Sparse(io.RawIOBase):
         for start, data in self._parts:
             if start <= self._pos and self._pos + n <= start + len(data):
                 at = self._pos - start
-                buffer[:n] = data[at:at + n]
+                buffer[:n] = memoryview(data)[at:at + n]
                 self._pos += n
                 return n
         raise OSError(f"bytes {self._pos}-{self._pos + n} were not fetched (the footer's column chunk "
