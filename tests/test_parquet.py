@@ -231,3 +231,37 @@ def test_reads_stay_in_the_workers_with_a_storage_cache(files):
     with aioload.DataLoader(ds, batch_size=4, num_workers=2, collate_fn=as_list) as dl:
         assert [plain(r) for r in rows_of(dl)] == reference(files, COLUMNS)
     assert storage.cache.stats().misses == footers  # this process's copy of the cache read no row group
+
+
+def wav(freq: float, rate: int = 8000) -> bytes:
+    """One second of a sine as a 16-bit mono WAV."""
+    import io
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        t = np.arange(rate) / rate
+        w.writeframes((np.sin(2 * np.pi * freq * t) * 10000).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def test_a_datasets_audio_column_decodes_as_decode_audio_does(tmp_path):
+    import datasets
+
+    datasets.disable_progress_bars()
+    sounds = [wav(f) for f in (220, 440, 880)]
+    features = datasets.Features({"audio": datasets.Audio(), "label": datasets.Value("int64")})
+    datasets.Dataset.from_dict({"audio": [{"bytes": s, "path": None} for s in sounds], "label": [0, 1, 2]},
+                               features=features).to_parquet(str(tmp_path / "audio.parquet"))
+    args = dict(sample_rate=8000, seconds=0.5, crops="uniform")
+    ds = aioload.Parquet(tmp_path / "audio.parquet", audio=args)
+    assert ds.sounds == ["audio"]
+    with aioload.DataLoader(ds, batch_size=3, num_workers=2) as dl:
+        (batch,) = list(dl)
+    for i, sound in enumerate(sounds):
+        assert torch.equal(batch["audio"][i], aioload.decode_audio(sound, **args))
+    assert batch["label"].tolist() == [0, 1, 2]
+    assert isinstance(aioload.Parquet(tmp_path / "audio.parquet")[0]["audio"], dict)  # no audio=: left encoded
