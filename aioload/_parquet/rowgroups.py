@@ -101,7 +101,8 @@ class Chunks:
                 try:
                     source = pa.PythonFile(_Sparse(size, self.parts), mode="r")
                     reader = pq.ParquetFile(source, metadata=metadata, pre_buffer=False)
-                    self._table = reader.read_row_group(group, columns=columns)
+                    # one thread: the workers are the parallelism (pyarrow's pool would take every core in each)
+                    self._table = reader.read_row_group(group, columns=columns, use_threads=False)
                     self.parts = []  # the table holds the rows now
                 except Exception as exc:  # noqa: BLE001 - kept, and raised for every row of the group
                     self._error = exc
