@@ -326,8 +326,9 @@ class Parquet(Dataset):
                                                for g in range(len(footer.rows)))))
 
         pieces = _scope.run_blocking(all_groups)
-        return pa.chunked_array([c for piece in pieces for c in piece.chunks], type=pieces[0].type if pieces
-                                else None)
+        if not pieces:  # files without row groups
+            return pa.chunked_array([], type=pa.null())
+        return pa.chunked_array([c for piece in pieces for c in piece.chunks], type=pieces[0].type)
 
     def __repr__(self) -> str:
         mode = "uniform" if self.window is None else f"window={self.window}"
