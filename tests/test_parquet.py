@@ -90,9 +90,12 @@ def test_a_file_written_by_datasets_decodes_its_image_feature(samples, tmp_path)
     assert raw[5] == {"bytes": samples[5][1], "path": None}  # decode= sees the struct as stored
 
 
-def test_a_folder_is_its_parquet_files_sorted(files):
+def test_a_folder_or_a_glob_is_its_parquet_files_sorted(files):
     folder = files[0].rsplit("/", 1)[0]
     assert list(aioload.Parquet(folder, columns=["key"]).urls) == files
+    assert list(aioload.Parquet(folder + "/part-00[12].parquet", columns=["key"]).urls) == files[1:]
+    with pytest.raises(FileNotFoundError, match=f"^no file matches {re.escape(folder)}/none-\\*.parquet$"):
+        aioload.Parquet(folder + "/none-*.parquet")
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -106,6 +109,8 @@ def test_a_local_fsspec_store(files, workers):
         urls.append(f"memory://pq-{workers}/part-{n}.parquet")
     ds = aioload.Parquet(urls, columns=COLUMNS, footer_cache=False)
     assert len(ds) == 48
+    assert list(aioload.Parquet(f"memory://pq-{workers}/part-*.parquet", footer_cache=False).urls) == \
+        [f"memory:///pq-{workers}/part-{n}.parquet" for n in range(3)]  # a glob, listed by fsspec
     with aioload.DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=as_list) as dl:
         assert [plain(r) for r in rows_of(dl)] == reference(files, COLUMNS)  # in order without shuffle
 

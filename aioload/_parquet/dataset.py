@@ -16,6 +16,7 @@ which fetches a row group for nearly every row (``docs/parquet.md`` has the cost
 
 from __future__ import annotations
 
+import glob as globmod
 import logging
 import operator
 import os
@@ -41,8 +42,28 @@ CACHE_BYTES = 512 << 20
 """The default bound on each process's row group cache (fetched bytes, counted twice)."""
 
 
-def _file_list(urls) -> list[str]:
-    """The files of a pattern, a path, a local folder (its ``*.parquet``, sorted) or a list."""
+def _glob(url: str, options: Mapping[str, Any]) -> list[str]:
+    """The files a glob (``*``, ``?``, ``[...]``) matches, sorted: local, or through fsspec."""
+    kind, where = locate(url)
+    if kind == "local":
+        found = sorted(p for p in globmod.glob(where) if os.path.isfile(p))
+    elif kind == "fsspec":
+        import fsspec
+
+        protocol = url.split("://", 1)[0]
+        fs, path = fsspec.core.url_to_fs(url, **options)
+        found = [f"{protocol}://{p}" for p in sorted(fs.glob(path)) if fs.isfile(p)]
+    else:
+        raise ValueError(f"{url}: an http(s) server cannot be listed; name the files, or a brace pattern "
+                         "({0000..0099}) of them")
+    if not found:
+        raise FileNotFoundError(f"no file matches {url}")
+    return found
+
+
+def _file_list(urls, options: Mapping[str, Any]) -> list[str]:
+    """The files of a pattern (braces, or a glob), a path, a local folder (its ``*.parquet``,
+    sorted) or a list of them."""
     out: list[str] = []
     for url in shard_urls(urls):
         kind, where = locate(url)
@@ -51,6 +72,8 @@ def _file_list(urls) -> list[str]:
             if not found:
                 raise FileNotFoundError(f"the folder {url} holds no *.parquet file")
             out.extend(found)
+        elif any(c in (where if kind == "local" else url.split("://", 1)[1]) for c in "*?["):
+            out.extend(_glob(url, options))
         else:
             out.append(url)
     if any(url.startswith("hf://") for url in out):
@@ -79,8 +102,8 @@ class Parquet(Dataset):
     """The rows of Parquet files as a map-style dataset: exact order, resume and rank splits.
 
     ``urls``: files (local paths, a local folder of ``*.parquet``, ``http(s)://`` URLs, fsspec
-    URLs such as ``s3://`` or ``hf://datasets/...``), as a list, a brace pattern or a list of
-    patterns. Row ``i`` of the dataset is the files' rows laid end to end. A sample is a dict
+    URLs such as ``s3://`` or ``hf://datasets/...``), as a list, a brace pattern, a glob
+    (``"s3://bucket/train/*.parquet"``, local or fsspec; matches sorted) or a list of them. Row ``i`` of the dataset is the files' rows laid end to end. A sample is a dict
     ``{column: value}`` of the ``columns`` asked for (default: every column of the first file).
 
     * ``decode`` -- ``None``: images and sounds are decoded (below), a list of numbers (token
@@ -134,7 +157,7 @@ class Parquet(Dataset):
         self.window = window
         self._decode_fn, self._transform = decode, transform
         self._audio = dict(audio) if audio is not None else None
-        files = _file_list(urls)
+        files = _file_list(urls, self.storage.storage_options or {})
         if footer_cache is True:
             cache: FooterCache | None = FooterCache(_footer.default_cache_folder())
         elif footer_cache is False or footer_cache is None:
