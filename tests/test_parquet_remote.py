@@ -132,3 +132,18 @@ def test_a_file_cut_short_after_its_footer_was_read_fails_the_rows_it_lost(serve
     with aioload.DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=as_list, on_error="skip") as dl:
         assert [r["key"] for b in dl for r in b] == [k for k, _, _ in samples[:12]]
         assert sorted(dl.stats().skipped) == list(range(12, 20))
+
+
+def test_a_footer_larger_than_the_tail_read_takes_a_second_read(server):
+    import pyarrow as pa
+
+    from aioload._parquet.footer import TAIL
+
+    table = pa.table({f"c{i:03d}": list(range(400)) for i in range(60)})
+    pq.write_table(table, server.root_path / "wide.parquet", row_group_size=10)  # 40 row groups x 60 chunks
+    footer = int.from_bytes((server.root_path / "wide.parquet").read_bytes()[-8:-4], "little")
+    assert footer > TAIL
+    before = len(server.ranges)
+    ds = aioload.Parquet(server.url("wide.parquet"), columns=["c007", "c059"], footer_cache=False)
+    assert len(server.ranges) - before == 2  # the tail, then the rest of the footer
+    assert len(ds) == 400 and ds[397] == {"c007": 397, "c059": 397}
