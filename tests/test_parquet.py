@@ -204,10 +204,19 @@ def test_hf_urls_without_huggingface_hub_name_it(monkeypatch):
         aioload.Parquet("hf://datasets/someone/something/train.parquet")
 
 
-def test_without_pyarrow_the_error_names_the_extra(files, monkeypatch):
-    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(ImportError, match=re.escape("aioload.Parquet needs pyarrow: pip install 'aioload[parquet]'")):
-        aioload.Parquet(files)
+def test_without_pyarrow_aioload_imports_and_parquet_names_the_extra(files):
+    import subprocess
+
+    code = ("import sys\n"
+            "sys.modules['pyarrow'] = None  # as if it were not installed\n"
+            "import aioload\n"
+            "try:\n"
+            f"    aioload.Parquet({files[0]!r})\n"
+            "except ImportError as exc:\n"
+            "    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "aioload.Parquet needs pyarrow: pip install 'aioload[parquet]'\n"
 
 
 def test_make_data_writes_the_images_as_parquet_sorted_by_class(tmp_path, capsys):
