@@ -202,6 +202,8 @@ def test_hf_urls_without_huggingface_hub_name_it(monkeypatch):
     with pytest.raises(ImportError, match="^hf:// URLs are read through huggingface_hub's filesystem: pip install "
                                           "huggingface_hub$"):
         aioload.Parquet("hf://datasets/someone/something/train.parquet")
+    with pytest.raises(ImportError, match="^hf:// URLs are read through huggingface_hub's filesystem"):
+        aioload.Parquet("hf://datasets/someone/something@~parquet/default/train/*.parquet")  # before listing
 
 
 def test_without_pyarrow_aioload_imports_and_parquet_names_the_extra(files):

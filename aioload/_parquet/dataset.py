@@ -64,8 +64,15 @@ def _glob(url: str, options: Mapping[str, Any]) -> list[str]:
 def _file_list(urls, options: Mapping[str, Any]) -> list[str]:
     """The files of a pattern (braces, or a glob), a path, a local folder (its ``*.parquet``,
     sorted) or a list of them."""
+    names = shard_urls(urls)
+    if any(url.startswith("hf://") for url in names):
+        try:
+            import huggingface_hub  # noqa: F401 - fsspec's hf:// filesystem is huggingface_hub's
+        except ImportError as exc:
+            raise ImportError("hf:// URLs are read through huggingface_hub's filesystem: "
+                              "pip install huggingface_hub") from exc
     out: list[str] = []
-    for url in shard_urls(urls):
+    for url in names:
         kind, where = locate(url)
         if kind == "local" and os.path.isdir(where):
             found = sorted(str(p) for p in Path(where).glob("*.parquet"))
@@ -76,12 +83,6 @@ def _file_list(urls, options: Mapping[str, Any]) -> list[str]:
             out.extend(_glob(url, options))
         else:
             out.append(url)
-    if any(url.startswith("hf://") for url in out):
-        try:
-            import huggingface_hub  # noqa: F401 - fsspec's hf:// filesystem is huggingface_hub's
-        except ImportError as exc:
-            raise ImportError("hf:// URLs are read through huggingface_hub's filesystem: "
-                              "pip install huggingface_hub") from exc
     return out
 
 
@@ -103,8 +104,9 @@ class Parquet(Dataset):
 
     ``urls``: files (local paths, a local folder of ``*.parquet``, ``http(s)://`` URLs, fsspec
     URLs such as ``s3://`` or ``hf://datasets/...``), as a list, a brace pattern, a glob
-    (``"s3://bucket/train/*.parquet"``, local or fsspec; matches sorted) or a list of them. Row ``i`` of the dataset is the files' rows laid end to end. A sample is a dict
-    ``{column: value}`` of the ``columns`` asked for (default: every column of the first file).
+    (``"s3://bucket/train/*.parquet"``, local or fsspec; matches sorted) or a list of them.
+    Row ``i`` of the dataset is the files' rows laid end to end. A sample is a dict ``{column:
+    value}`` of the ``columns`` asked for (default: every column of the first file).
 
     * ``decode`` -- ``None``: images and sounds are decoded (below), a list of numbers (token
       ids, say) is a 1-D numpy array, every other value is pyarrow's Python value (``int``,
