@@ -256,9 +256,9 @@ class Parquet(Dataset):
         return f, g
 
     def _fetch(self, f: int, g: int):
-        footer, leaves = self._footers[f], self._leaves[f]
-        requests = ranges(footer.starts[g, leaves], footer.lengths[g, leaves])
-        return fetch(self.storage, footer.url, requests)
+        footer = self._footers[f]
+        starts, lengths = _footer.chunk_ranges(self._metadata(f), footer.size, footer.url, g, self._leaves[f])
+        return fetch(self.storage, footer.url, ranges(starts, lengths))
 
     def read_nowait(self, index: int) -> Any:
         index = self._check(index)
@@ -341,10 +341,10 @@ class Parquet(Dataset):
 
             async def one(f: int, g: int) -> Any:
                 footer = self._footers[f]
-                leaves = np.array(list(footer.leaves[name]), dtype=np.int64)
+                starts, lengths = _footer.chunk_ranges(self._metadata(f), footer.size, footer.url, g,
+                                                       footer.leaves[name])
                 async with slots:
-                    chunks = await fetch(self.storage, footer.url,
-                                         ranges(footer.starts[g, leaves], footer.lengths[g, leaves]))
+                    chunks = await fetch(self.storage, footer.url, ranges(starts, lengths))
                 return chunks.table(self._metadata(f), footer.size, g, [name]).column(0)
 
             return list(await asyncio.gather(*(one(f, g) for f, footer in enumerate(self._footers)

@@ -4,9 +4,10 @@ The footer is read once per file (one ranged read of the file's tail, :data:`TAI
 which holds the whole footer of nearly every file; a second read where it does not) and kept
 in a local cache keyed by the file's URL and version (size and ETag or mtime, as a shard's
 index is: :mod:`aioload._shards.probe`), so a later run reads no footer at all. What is kept
-is the footer's own bytes: every process parses them with pyarrow where it needs the file's
-metadata (a worker, to decode a row group it fetched), and the training process reads from
-them only the numbers the order and the reads need (:class:`Footer`).
+is the footer's own bytes: the training process takes from them the row groups' row counts
+and the columns (:class:`Footer`: one step per row group, whatever the columns), and every
+process that fetches a row group parses them with pyarrow once for its column chunks' byte
+ranges (:func:`chunk_ranges`) and to decode what it fetched.
 
 A file whose tail is not a Parquet footer (no ``PAR1`` magic, a length that runs past the
 file's start, an encrypted footer, a footer pyarrow cannot parse) raises
@@ -81,18 +82,16 @@ def parse(raw: bytes, url: str) -> Any:
 class Footer:
     """What the order and the reads need of one file, from its footer.
 
-    ``rows[g]``: rows of row group ``g``; ``starts[g, c]`` and ``lengths[g, c]``: the byte range
-    of leaf column ``c``'s chunk in row group ``g``; ``columns``: the top-level columns, each
-    with the leaf columns it is stored as (``leaves[name]``: a range of leaf positions);
-    ``features``: the Hugging Face feature types found in the file's metadata (``{"image":
-    "Image", ...}``), empty for other files; ``raw``: the footer's bytes, parsed where needed."""
+    ``rows[g]``: rows of row group ``g``; ``leaves[name]``: the leaf columns (column chunks) a
+    top-level column is stored as, by position; ``features``: the Hugging Face feature types
+    found in the file's metadata (``{"image": "Image", ...}``), empty for other files;
+    ``raw``: the footer's bytes, parsed where the column chunks' byte ranges are needed
+    (:func:`chunk_ranges`), so that a footer of many row groups costs nothing more here."""
 
     url: str
     size: int
     raw: bytes
     rows: np.ndarray
-    starts: np.ndarray
-    lengths: np.ndarray
     leaves: dict[str, range]
     features: dict[str, str] = field(default_factory=dict)
 
@@ -112,21 +111,25 @@ class Footer:
         if at != md.num_columns:
             raise ParquetError(f"{url}: its schema names {at} leaf columns and its row groups hold "
                                f"{md.num_columns}: the footer is inconsistent")
-        groups = md.num_row_groups
-        rows = np.array([md.row_group(g).num_rows for g in range(groups)], dtype=np.int64)
-        starts = np.zeros((groups, at), dtype=np.int64)
-        lengths = np.zeros((groups, at), dtype=np.int64)
-        for g in range(groups):
-            rg = md.row_group(g)
-            for c in range(at):
-                col = rg.column(c)
-                dictionary = col.dictionary_page_offset if col.has_dictionary_page else None
-                start = dictionary if dictionary else col.data_page_offset  # 0 also means none
-                starts[g, c], lengths[g, c] = start, col.total_compressed_size
-        if starts.size and (int(starts.min()) < 0 or int((starts + lengths).max()) > size):
-            raise ParquetError(f"{url}: a column chunk's byte range runs outside the file's {size} bytes: "
-                               "the file is truncated, or was written again since its footer was read")
-        return cls(url, size, raw, rows, starts, lengths, leaves, _features(md))
+        rows = np.array([md.row_group(g).num_rows for g in range(md.num_row_groups)], dtype=np.int64)
+        return cls(url, size, raw, rows, leaves, _features(md))
+
+
+def chunk_ranges(md, size: int, url: str, group: int, leaves) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, lengths)`` of row group ``group``'s chunks of the leaf columns ``leaves``
+    (``md``: the parsed footer of the file of ``size`` bytes at ``url``)."""
+    rg = md.row_group(group)
+    starts = np.zeros(len(leaves), dtype=np.int64)
+    lengths = np.zeros(len(leaves), dtype=np.int64)
+    for i, c in enumerate(leaves):
+        col = rg.column(int(c))
+        dictionary = col.dictionary_page_offset if col.has_dictionary_page else None
+        starts[i] = dictionary if dictionary else col.data_page_offset  # 0 also means none
+        lengths[i] = col.total_compressed_size
+    if len(leaves) and (int(starts.min()) < 0 or int((starts + lengths).max()) > size):
+        raise ParquetError(f"{url}, row group {group}: a column chunk's byte range runs outside the file's {size} "
+                           "bytes: the file is truncated, or was written again since its footer was read")
+    return starts, lengths
 
 
 def _features(md) -> dict[str, str]:
