@@ -25,7 +25,6 @@ def positive(value) -> bool:
 
 @pytest.mark.timeout(400)
 def test_every_row_in_every_scenario(tmp_path):
-    pytest.importorskip("polars")  # LitData's Parquet reader
     out_json = tmp_path / "result.json"
     env = dict(os.environ, AIOLOAD_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
     args = ["--images", "64", "--classes", "4", "--rows-per-file", "32", "--batch-size", "8", "--latencies", "5",
