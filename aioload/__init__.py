@@ -14,6 +14,8 @@ from aioload._media.video import VideoFiles, VideoFolder
 from aioload._mix.dataset import Mix
 from aioload._storage.retry import RemoteReadError, RetryPolicy
 from aioload._observe.stats import LoaderStats
+from aioload._parquet.dataset import Parquet
+from aioload._parquet.footer import ParquetError
 from aioload._shards.dataset import WebDataset
 from aioload._shards.decoders import decode_sample
 from aioload._shards.index import ShardError
@@ -55,6 +57,8 @@ __all__ = [
     "LoaderStats",
     "MemoryCache",
     "Mix",
+    "Parquet",
+    "ParquetError",
     "RemoteReadError",
     "RetryPolicy",
     "ShardError",
