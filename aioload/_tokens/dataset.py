@@ -138,15 +138,21 @@ class PackedTokens(Dataset):
                 f"{self.documents.describe(doc)} has {tokens.size} tokens now and had {self.lengths[doc] - self._extra} "
                 "when the packing was computed: the lengths (given, or a cache file made with another source or "
                 "tokenizer) do not match the documents; pass the right lengths, or delete the cache file")
-        if self._extra:
-            tokens = self._framed(tokens)
-        return tokens[start:stop]
+        return self._cut(tokens, start, stop)
 
-    def _framed(self, tokens: np.ndarray) -> np.ndarray:
-        parts = ([np.array([self.bos], dtype=np.int64)] if self.bos is not None else []) + [tokens]
-        if self.eos is not None:
+    def _cut(self, tokens: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of the document framed by ``bos``/``eos``, without copying
+        the whole document to frame it."""
+        if not self._extra:
+            return tokens[start:stop]
+        lead = int(self.bos is not None)
+        parts = []
+        if lead and start == 0:
+            parts.append(np.array([self.bos], dtype=np.int64))
+        parts.append(tokens[max(start - lead, 0): max(stop - lead, 0)])
+        if self.eos is not None and stop == tokens.size + self._extra:
             parts.append(np.array([self.eos], dtype=np.int64))
-        return np.concatenate(parts)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def describe(self, index: int) -> str | None:
         if not 0 <= index < len(self):
