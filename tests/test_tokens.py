@@ -356,3 +356,44 @@ def test_text_without_a_tokenizer_and_a_missing_column_say_what_to_pass():
         aioload.PackedTokens([{"body": "a b"}], 4, tokenizer=str.split)
     with pytest.raises(TypeError, match=r"source is an IterableDataset"):
         aioload.PackedTokens(Stream(), 4)
+
+
+class Flaky(SplitDocs):
+    """Document ``bad`` cannot be read."""
+
+    def __init__(self, docs, bad: int):
+        super().__init__(docs)
+        self.bad = bad
+
+    async def read(self, index):
+        if index == self.bad:
+            raise OSError(f"document {index} is damaged")
+        return await super().read(index)
+
+
+def test_on_error_skip_skips_the_rows_of_a_document_that_fails_and_keeps_the_rest():
+    docs = documents(seed=15)
+    ds = aioload.PackedTokens(Flaky(docs, bad=5), SEQ, column="input_ids", lengths=[len(d) for d in docs])
+    broken = {r for r in range(len(ds)) if any(doc == 5 for doc, _, _ in ds.spans(r))}
+    assert len(broken) >= 3  # document 5 is longer than three rows
+    with aioload.DataLoader(ds, batch_size=4, num_workers=2, shuffle=True, seed=0, on_error="skip") as dl:
+        got = rows_of(dl)
+        skipped = dl.stats().skipped
+    clean = aioload.PackedTokens(docs, SEQ, lengths=[len(d) for d in docs])
+    ids = row_ids(clean)
+    assert sorted(rows_seen(got, ids)) == sorted(set(range(len(ds))) - broken)
+    assert len(skipped) == len(broken)
+
+
+def test_a_long_document_is_tokenized_once_while_its_rows_come_in_turn():
+    calls = Counter()
+
+    def tokenizer(text):
+        calls[text] += 1
+        return [len(w) for w in text.split()]
+
+    docs = [" ".join(["word"] * n) for n in (5, 40 * SEQ, 7)]
+    ds = aioload.PackedTokens(docs, SEQ, tokenizer=tokenizer, lengths=[5, 40 * SEQ, 7], shuffle_documents=False)
+    with aioload.DataLoader(ds, batch_size=8, num_workers=0, shuffle=False) as dl:
+        assert sum(b["input_ids"].shape[0] for b in dl) == len(ds) == (5 + 40 * SEQ + 7) // (SEQ + 1)
+    assert sorted(calls.values()) == [1, 1, 1]
