@@ -166,6 +166,15 @@ def test_the_batches_are_the_same_at_0_and_2_workers(source):
     assert torch.equal(a[0]["input_ids"], torch.stack([ds[i]["input_ids"] for i in order[:4]]))
 
 
+@pytest.mark.parametrize("pool", ["processes", "threads"])
+def test_an_executor_gives_the_batches_of_the_workers(pool, request):
+    ds = aioload.PackedTokens(SplitDocs(documents(seed=16)), SEQ, column="input_ids")
+    executor = request.getfixturevalue(pool)
+    with aioload.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2) as workers, \
+            aioload.DataLoader(ds, batch_size=4, shuffle=True, executor=executor) as pooled:
+        assert same_batches(rows_of(workers), rows_of(pooled))
+
+
 def test_a_resumed_epoch_delivers_exactly_the_rest():
     ds = aioload.PackedTokens(SplitDocs(documents(seed=6)), SEQ, column="input_ids")
     with loader(ds, num_workers=2) as full:

@@ -14,6 +14,7 @@ and decoded with their ``decode``; any other (a list, a torch dataset) is loaded
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -87,6 +88,7 @@ class Documents:
         self.keep_tokens = keep_tokens
         self._kept: OrderedDict[int, np.ndarray] = OrderedDict()
         self._kept_size = 0
+        self._kept_lock = threading.Lock()  # an executor's thread pool decodes in threads at once
 
     def __len__(self) -> int:
         return len(self.source)
@@ -119,16 +121,19 @@ class Documents:
     # -- tokens ------------------------------------------------------------------------------
     def tokens(self, doc: int, document: Any) -> np.ndarray:
         """The token ids of document ``doc`` (``document``, as loaded), int64."""
-        kept = self._kept.get(doc)
-        if kept is not None:
-            self._kept.move_to_end(doc)
-            return kept
+        with self._kept_lock:
+            kept = self._kept.get(doc)
+            if kept is not None:
+                self._kept.move_to_end(doc)
+                return kept
         ids = self._ids(doc, document)
         if ids.size <= self.keep_tokens // 4:
-            self._kept[doc] = ids
-            self._kept_size += ids.size
-            while self._kept_size > self.keep_tokens:
-                self._kept_size -= self._kept.popitem(last=False)[1].size
+            with self._kept_lock:
+                if doc not in self._kept:
+                    self._kept[doc] = ids
+                    self._kept_size += ids.size
+                while self._kept_size > self.keep_tokens:
+                    self._kept_size -= self._kept.popitem(last=False)[1].size
         return ids
 
     def count(self, doc: int, document: Any) -> int:
@@ -177,4 +182,9 @@ class Documents:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_kept"], state["_kept_size"] = OrderedDict(), 0
+        del state["_kept_lock"]
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._kept_lock = threading.Lock()
