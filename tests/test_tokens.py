@@ -345,6 +345,7 @@ def test_lengths_that_do_not_match_the_documents_fail_naming_the_document_and_th
     (dict(tokenizer=3), TypeError, r"^tokenizer must be a callable str -> list\[int\]"),
     (dict(lengths=[1, 2]), ValueError, r"^lengths has 2 entries of shape \(2,\) for 3 documents"),
     (dict(column="ids"), TypeError, r"document 0 is list, not a dict: column='ids' names a field of dict"),
+    (dict(seq_len=6), ValueError, r"^the 3 documents hold 6 tokens, fewer than one row of seq_len \+ 1 = 7: no row "),
 ])
 def test_bad_arguments_are_refused_where_they_are_given(kwargs, error, message):
     options = dict(seq_len=4)

@@ -73,6 +73,10 @@ class PackedTokens(Dataset):
         # A document without tokens is in no row: it gets no bos/eos either.
         self.lengths = counts + self._extra * (counts > 0)
         self.packing = pack(self.lengths, seq_len, seed, shuffle_documents)
+        if self.packing.rows == 0:
+            raise ValueError(f"the {len(self.documents)} documents hold {self.packing.tail} tokens, fewer than one "
+                             f"row of seq_len + 1 = {seq_len + 1}: no row can be made; pass a smaller seq_len or "
+                             "more documents")
 
     # -- the plan ---------------------------------------------------------------------------
     def __len__(self) -> int:
