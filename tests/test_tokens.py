@@ -369,14 +369,16 @@ def test_text_without_a_tokenizer_and_a_missing_column_say_what_to_pass():
 
 
 class Flaky(SplitDocs):
-    """Document ``bad`` cannot be read."""
+    """Documents ``bad`` cannot be read (the second read of a row fails after the first)."""
 
-    def __init__(self, docs, bad: int):
+    def __init__(self, docs, bad):
         super().__init__(docs)
-        self.bad = bad
+        self.bad = {bad} if isinstance(bad, int) else set(bad)
 
     async def read(self, index):
-        if index == self.bad:
+        if index in self.bad:
+            for _ in range(index % 3):
+                await asyncio.sleep(0)
             raise OSError(f"document {index} is damaged")
         return await super().read(index)
 
@@ -407,3 +409,39 @@ def test_a_long_document_is_tokenized_once_while_its_rows_come_in_turn():
     with aioload.DataLoader(ds, batch_size=8, num_workers=0, shuffle=False) as dl:
         assert sum(b["input_ids"].shape[0] for b in dl) == len(ds) == (5 + 40 * SEQ + 7) // (SEQ + 1)
     assert sorted(calls.values()) == [1, 1, 1]
+
+
+class Hanging(SplitDocs):
+    """Even documents fail at once; the reads of odd ones never end unless cancelled."""
+
+    def __init__(self, docs):
+        super().__init__(docs)
+        self.events: list[int] = []  # +d: document d's read began; -d: it ended
+
+    async def read(self, index):
+        if index % 2 == 0:
+            raise OSError(f"document {index} is damaged")
+        self.events.append(index)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.events.append(-index)
+
+
+def test_when_one_read_of_a_row_fails_the_rows_other_reads_end_with_it():
+    docs = [[d * STRIDE + p for p in range(5)] for d in range(40)]
+    source = Hanging(docs)
+    ds = aioload.PackedTokens(source, SEQ, column="input_ids", lengths=[5] * 40, shuffle_documents=False)
+    assert all(len(ds.spans(r)) >= 3 for r in range(len(ds)))
+    with aioload.DataLoader(ds, batch_size=1, num_workers=0, io_concurrency=1, shuffle=False,
+                            on_error="skip") as dl:
+        assert list(dl) == []
+        assert len(dl.stats().skipped) == len(ds)
+    # One row is read at a time: a row's reads that hang end when it fails, so no more are open
+    # at once than one row has (left running, they would pile up until the epoch's loop closed).
+    per_row = max(sum(doc % 2 for doc, _, _ in ds.spans(r)) for r in range(len(ds)))
+    open_reads, most = 0, 0
+    for event in source.events:
+        open_reads += 1 if event > 0 else -1
+        most = max(most, open_reads)
+    assert open_reads == 0 and most <= per_row, source.events

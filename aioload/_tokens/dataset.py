@@ -123,7 +123,17 @@ class PackedTokens(Dataset):
         spans = self.spans(index)
         if not self.documents.split:
             return index, spans, [None] * len(spans)
-        raws = await asyncio.gather(*(self.documents.read(doc) for doc, _, _ in spans))
+        if len(spans) == 1:
+            return index, spans, [await self.documents.read(spans[0][0])]
+        reads = [asyncio.ensure_future(self.documents.read(doc)) for doc, _, _ in spans]
+        try:
+            raws = await asyncio.gather(*reads)
+        except BaseException:
+            # One read failed (or the row's read was cancelled): the others end with it.
+            for read in reads:
+                read.cancel()
+            await asyncio.gather(*reads, return_exceptions=True)
+            raise
         return index, spans, list(raws)
 
     def read_blocking(self, index: int) -> Any:
