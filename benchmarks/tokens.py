@@ -23,7 +23,7 @@ first. Rounds are interleaved, the order alternating; medians are printed.
 
 The consumer: a small GPT-like transformer (``--layers`` layers, ``--d-model`` wide, 4 heads,
 causal, the BPE's vocabulary) trained with AdamW on this machine's CPU, on one batch of rows
-(forward, backward, step): rows per second over ``--steps`` steps after a warm-up step. The
+(forward, backward, step): rows per second over ``--steps`` steps after two warm-up steps. The
 summary prints the loader's rate over it (the goal: 20x or more; a loader at 20x keeps such a
 trainer fed with 5 % of the machine) and aioload's CPU per row over torch's (the goal: 1 or
 less). Numbers from a shared machine are noisy: compare within one run.
@@ -163,7 +163,8 @@ def training_rate(batch: dict, vocab: int, args) -> float:
         loss.backward()
         optimizer.step()
 
-    step()  # warm-up
+    for _ in range(2):  # warm-up: the first steps allocate (AdamW's state, the allocator's caches)
+        step()
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
