@@ -14,6 +14,8 @@ from aioload._media.video import VideoFiles, VideoFolder
 from aioload._mix.dataset import Mix
 from aioload._storage.retry import RemoteReadError, RetryPolicy
 from aioload._observe.stats import LoaderStats
+from aioload._parquet.dataset import Parquet
+from aioload._parquet.footer import ParquetError
 from aioload._shards.dataset import WebDataset
 from aioload._shards.decoders import decode_sample
 from aioload._shards.index import ShardError
@@ -57,6 +59,8 @@ __all__ = [
     "MemoryCache",
     "Mix",
     "PackedTokens",
+    "Parquet",
+    "ParquetError",
     "RemoteReadError",
     "RetryPolicy",
     "ShardError",

@@ -285,6 +285,13 @@ def make_data_command(args: argparse.Namespace) -> int:
     if is_complete(args.dir):
         print(f"{args.dir} already holds a complete generated folder: nothing to do")
         return 0
+    if args.format == "parquet":
+        from aioload._tools.synth import make_parquet
+
+        root = make_parquet(args.dir, args.images, classes=args.classes, seed=args.seed, quiet=False,
+                            processes=os.cpu_count() or 1)
+        print(f"{args.images} JPEGs in {args.classes} classes as Parquet files under {root}")
+        return 0
     root = make_data(args.dir, args.images, classes=args.classes, seed=args.seed, quiet=False,
                      processes=os.cpu_count() or 1)
     print(f"{args.images} JPEGs in {args.classes} class folders under {root}")
@@ -422,6 +429,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--images", type=int, default=1024, help="how many images (default: %(default)s)")
     m.add_argument("--classes", type=int, default=8, help="how many class folders (default: %(default)s)")
     m.add_argument("--seed", type=int, default=0, help="the seed that picks every image (default: %(default)s)")
+    m.add_argument("--format", choices=("folder", "parquet"), default="folder",
+                   help="folder: class folders of JPEGs; parquet: the same images in Parquet files, as the "
+                        "Hugging Face Hub keeps image sets (image and label columns; needs pyarrow) "
+                        "(default: %(default)s)")
     s = sub.add_parser("make-shards", help="write a class-per-folder tree as WebDataset tar shards",
                        epilog=EPILOG, formatter_class=help_fmt,
                        description="Write the images of SRC (a class-per-folder tree, as ImageFolder reads it; a\n"

@@ -46,18 +46,23 @@ def _image(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
     return np.clip(base + detail + grain, 0, 255).astype(np.uint8)
 
 
-def _write(root: Path, classes: int, seed: int, i: int) -> None:
+def _jpeg(seed: int, i: int, out) -> None:
+    """Image ``i``'s JPEG, written to ``out`` (a path or a file object)."""
     from PIL import Image
 
-    path = root / f"class_{i % classes:03d}" / f"img_{i:06d}.jpg"
-    if path.exists():
-        return
     rng = np.random.default_rng([seed, i])
     width, height = int(rng.integers(330, 500)), int(rng.integers(280, 420))
     quality = int(rng.integers(85, 96))
     pixels = _image(rng, width, height)
+    Image.fromarray(pixels).save(out, format="JPEG", quality=quality)
+
+
+def _write(root: Path, classes: int, seed: int, i: int) -> None:
+    path = root / f"class_{i % classes:03d}" / f"img_{i:06d}.jpg"
+    if path.exists():
+        return
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    Image.fromarray(pixels).save(tmp, format="JPEG", quality=quality)
+    _jpeg(seed, i, tmp)
     os.replace(tmp, path)
 
 
@@ -140,5 +145,82 @@ def make_image_folder(root: str | os.PathLike | None = None, images: int = DEFAU
         for args in ranges:
             _write_range(args)
             report(args[4])
+    marker.touch()
+    return root
+
+
+# -- the same images as Parquet ------------------------------------------------------------------
+PARQUET_ROWS_PER_GROUP = 100
+"""Rows per row group of :func:`make_parquet`'s files: what ``datasets`` and the Hub's Parquet
+conversion write for image sets."""
+
+
+def _jpegs(args) -> list[bytes]:
+    import io
+
+    seed, indices = args
+    out = []
+    for i in indices:
+        buf = io.BytesIO()
+        _jpeg(seed, i, buf)
+        out.append(buf.getvalue())
+    return out
+
+
+def make_parquet(root: str | os.PathLike, images: int = DEFAULT_IMAGES, classes: int = DEFAULT_CLASSES,
+                 seed: int = 0, quiet: bool = True, processes: int = 1, rows_per_file: int = 1024) -> Path:
+    """Write (once) :func:`make_data`'s images as Parquet files ``root/train-NNNNN-of-NNNNN.parquet``,
+    laid out as the Hub's image sets are: an ``image`` column of ``{"bytes", "path"}`` and a
+    ``label`` column, marked ``Image`` and ``ClassLabel`` in ``datasets``' metadata, row groups
+    of :data:`PARQUET_ROWS_PER_GROUP` rows. The rows are sorted by class (class 0's images
+    first), as a folder's are, so that a loader's shuffle shows in its batches. Needs pyarrow."""
+    import json
+
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ImportError("writing Parquet needs pyarrow: pip install 'aioload[parquet]'") from exc
+    root = Path(root)
+    marker = root / ".complete"
+    if marker.exists():
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    order = [i for c in range(classes) for i in range(c, images, classes)]  # class by class
+    features = {"image": {"_type": "Image"},
+                "label": {"names": [f"class_{c:03d}" for c in range(classes)], "_type": "ClassLabel"}}
+    schema = pa.schema([("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+                        ("label", pa.int64())],
+                       metadata={"huggingface": json.dumps({"info": {"features": features}})})
+    files = -(-images // rows_per_file)
+    report = _Report(images, quiet)
+    step = 64
+    jobs = [(seed, order[lo:lo + step]) for lo in range(0, images, step)]
+    pool = None
+    if processes > 1:
+        import multiprocessing as mp
+
+        pool = mp.get_context("fork").Pool(processes)
+    try:
+        made = pool.imap(_jpegs, jobs) if pool is not None else map(_jpegs, jobs)
+        pending: list[bytes] = []
+        written = 0
+        for n in range(files):
+            rows = order[n * rows_per_file:(n + 1) * rows_per_file]
+            while len(pending) < len(rows):
+                pending.extend(next(made))
+                report(written + len(pending))
+            data, pending = pending[:len(rows)], pending[len(rows):]
+            table = pa.table({"image": [{"bytes": d, "path": f"img_{i:06d}.jpg"} for d, i in zip(data, rows)],
+                              "label": [i % classes for i in rows]}, schema=schema)
+            path = root / f"train-{n:05d}-of-{files:05d}.parquet"
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            pq.write_table(table, tmp, row_group_size=PARQUET_ROWS_PER_GROUP)
+            os.replace(tmp, path)
+            written += len(rows)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
     marker.touch()
     return root

@@ -1,0 +1,342 @@
+"""``aioload.Parquet``: a map-style dataset over the rows of Parquet files in any store.
+
+The footers (:mod:`aioload._parquet.footer`, read once and cached) give every row group's row
+count, so the rows of all the files are one index space (:mod:`aioload._parquet.order`): the
+loader computes the order from the seed, deals ranks equal batches and resumes at a position,
+as for any map-style dataset.
+
+A read (in the worker that decodes, by default) fetches the column chunks of the row's row
+group -- only the columns asked for -- and keeps them in that process's row group cache
+(:mod:`aioload._parquet.rowgroups`), so the other rows of the row group that reach the same
+worker soon cost nothing more; ``decode`` decodes the row group with pyarrow once and takes
+the row out of it. ``window=k`` draws the order from ``k`` row groups at a time, so nearly
+every row is served from a row group already fetched; ``window=None`` is a uniform shuffle,
+which fetches a row group for nearly every row (``docs/parquet.md`` has the cost in bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from aioload._dataset import NOT_READY, Dataset
+from aioload._parquet import footer as _footer
+from aioload._parquet.footer import Footer, FooterCache, ParquetError
+from aioload._parquet.order import Layout
+from aioload._parquet.rowgroups import Chunks, RowGroupCache, fetch, ranges
+from aioload._shards.urls import shard_urls
+from aioload._storage import scope as _scope
+from aioload._storage.storage import Storage, locate
+from aioload._strings import StringList
+
+logger = logging.getLogger("aioload")
+
+CACHE_BYTES = 512 << 20
+"""The default bound on each process's row group cache (fetched bytes, counted twice)."""
+
+
+def _file_list(urls) -> list[str]:
+    """The files of a pattern, a path, a local folder (its ``*.parquet``, sorted) or a list."""
+    out: list[str] = []
+    for url in shard_urls(urls):
+        kind, where = locate(url)
+        if kind == "local" and os.path.isdir(where):
+            found = sorted(str(p) for p in Path(where).glob("*.parquet"))
+            if not found:
+                raise FileNotFoundError(f"the folder {url} holds no *.parquet file")
+            out.extend(found)
+        else:
+            out.append(url)
+    if any(url.startswith("hf://") for url in out):
+        try:
+            import huggingface_hub  # noqa: F401 - fsspec's hf:// filesystem is huggingface_hub's
+        except ImportError as exc:
+            raise ImportError("hf:// URLs are read through huggingface_hub's filesystem: "
+                              "pip install huggingface_hub") from exc
+    return out
+
+
+def _column_list(columns, first: Footer) -> list[str]:
+    if columns is None:
+        return first.columns
+    if isinstance(columns, str):
+        columns = [columns]
+    out = list(columns)
+    if not out or not all(isinstance(c, str) for c in out):
+        raise TypeError(f"columns must be a column name or a non-empty list of them, got {columns!r}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"columns names a column twice: {out}")
+    return out
+
+
+class Parquet(Dataset):
+    """The rows of Parquet files as a map-style dataset: exact order, resume and rank splits.
+
+    ``urls``: files (local paths, a local folder of ``*.parquet``, ``http(s)://`` URLs, fsspec
+    URLs such as ``s3://`` or ``hf://datasets/...``), as a list, a brace pattern or a list of
+    patterns. Row ``i`` of the dataset is the files' rows laid end to end. A sample is a dict
+    ``{column: value}`` of the ``columns`` asked for (default: every column of the first file).
+
+    * ``decode`` -- ``None``: images and sounds are decoded (below), every other value is
+      pyarrow's Python value (``int``, ``str``, ``bytes``, a list, a dict for a struct).
+      A function: called in the workers with the row dict, values as stored (an image column
+      of ``datasets`` is ``{"bytes": b"...", "path": ...}``), returns the training sample.
+    * ``transform`` -- with the default ``decode``: a function of the decoded row dict (say,
+      ``lambda row: (augment(row["image"]), row["label"])``).
+    * ``images`` -- columns the default ``decode`` decodes as images (uint8 ``(3, H, W)``, as
+      :func:`aioload.decode_image`): by default those ``datasets`` marks as ``Image`` in the
+      files' metadata. A value may be the bytes or ``{"bytes", "path"}``.
+    * ``audio`` -- keyword arguments of :func:`aioload.decode_audio` (``sample_rate``,
+      ``seconds``, ...) for the columns ``datasets`` marks as ``Audio``; without it, sounds
+      stay encoded.
+    * ``window`` -- ``None``: a uniform shuffle over every row. ``k``: rows drawn from ``k``
+      row groups at a time, which each worker fetches once (see ``docs/parquet.md``).
+    * ``cache_bytes`` -- the bound on the row groups each process keeps (fetched bytes, counted
+      twice for the decoded table); window mode always keeps its ``k + 2`` latest.
+    * ``storage`` -- an :class:`aioload.Storage` (retries, timeouts, credentials).
+    * ``footer_cache`` -- where footers are kept between runs: ``True`` (default:
+      ``$AIOLOAD_CACHE/parquet-footer``), a folder, or ``False``.
+
+    The footers are read at construction: a missing file raises ``FileNotFoundError``, a file
+    that is not Parquet or lacks a column asked for raises :class:`aioload.ParquetError`. A
+    row group that cannot be fetched or decoded fails each of its rows when it is read, with
+    the file, the row group and the row named (``on_error="skip"`` leaves them out).
+    """
+
+    def __init__(self, urls: str | os.PathLike | Sequence[str | os.PathLike],
+                 columns: str | Sequence[str] | None = None,
+                 decode: Callable[[dict[str, Any]], Any] | None = None, *,
+                 transform: Callable[[dict[str, Any]], Any] | None = None,
+                 images: Sequence[str] | None = None, audio: Mapping[str, Any] | None = None,
+                 window: int | None = None, cache_bytes: int = CACHE_BYTES,
+                 storage: Storage | None = None, footer_cache: bool | str | os.PathLike = True):
+        _footer.pyarrow_parquet()
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+        for name, fn in (("decode", decode), ("transform", transform)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a function of the row dict, or None, got {type(fn).__name__}")
+        if decode is not None and transform is not None:
+            raise ValueError("transform runs after the default decode: pass decode= or transform=, not both")
+        if storage is not None and not isinstance(storage, Storage):
+            raise TypeError(f"storage must be an aioload.Storage, got {type(storage).__name__}")
+        self.storage = storage if storage is not None else Storage()
+        self.window = window
+        self._decode_fn, self._transform = decode, transform
+        self._audio = dict(audio) if audio is not None else None
+        files = _file_list(urls)
+        if footer_cache is True:
+            cache: FooterCache | None = FooterCache(_footer.default_cache_folder())
+        elif footer_cache is False or footer_cache is None:
+            cache = None
+        else:
+            cache = FooterCache(footer_cache)
+        found = _scope.run_blocking(lambda: _footer.footers(self.storage, files, cache))
+        logger.info("read the footers of %d Parquet files (%d from the cache)", len(found),
+                    sum(cached for _, cached in found))
+        self._footers = [f for f, _ in found]
+        self.urls = StringList(files)
+        self.columns = _column_list(columns, self._footers[0])
+        features = self._footers[0].features
+        self.images = list(images) if images is not None else [c for c in self.columns if features.get(c) == "Image"]
+        self.sounds = [c for c in self.columns if features.get(c) == "Audio"]
+        self._check_columns()
+        if self.images and decode is None:  # workers forked from here inherit the image decoder
+            from aioload.images import torchcodec_images
+
+            torchcodec_images()
+        self._layout = Layout([f.rows for f in self._footers])
+        self._leaves = [np.array([i for c in self.columns for i in f.leaves[c]], dtype=np.int64)
+                        for f in self._footers]
+        keep = window + 2 if window is not None else 1
+        self._cache = RowGroupCache(cache_bytes, keep)
+        self._parsed: dict[int, Any] = {}
+
+    def _check_columns(self) -> None:
+        for f in self._footers:
+            missing = [c for c in self.columns if c not in f.leaves]
+            if missing:
+                raise ParquetError(f"{f.url} has no column {', '.join(map(repr, missing))} (its columns: "
+                                   f"{', '.join(f.columns)}); pass columns= that every file has")
+        for c in self.images:
+            if c not in self.columns:
+                raise ValueError(f"images names {c!r}, which is not among the columns read ({self.columns})")
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_parsed"] = {}  # pyarrow's parsed footers are made again where they are used
+        return state
+
+    # -- what the dataset holds ---------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._layout)
+
+    @property
+    def row_group_rows(self) -> list[int]:
+        """Rows per row group, every file's in turn (the window's units)."""
+        return self._layout.group_rows.tolist()
+
+    def locate(self, index: int) -> tuple[str, int, int]:
+        """``(file URL, row group, row within it)`` of row ``index``."""
+        f, g, r = self._layout.locate(self._check(index))
+        return self.urls[f], g, r
+
+    def describe(self, index: int) -> str:
+        url, g, r = self.locate(index)
+        return f"{url}, row group {g}, row {r}"
+
+    def _check(self, index) -> int:
+        try:
+            i = operator.index(index)
+        except TypeError:
+            raise TypeError(f"Parquet indices are ints, got {type(index).__name__}") from None
+        if isinstance(index, bool):
+            raise TypeError("Parquet indices are ints, got bool")
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"index {index} is out of range for a Parquet dataset of {n} rows")
+        return i + n if i < 0 else i
+
+    # -- the planner's protocol ---------------------------------------------------------------
+    @property
+    def deal(self) -> str:
+        """Every ``world_size``-th row to a rank (uniform), or contiguous blocks (window mode:
+        each rank then fetches row groups of its own)."""
+        return "stride" if self.window is None else "blocks"
+
+    def epoch_order(self, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
+        """The epoch's order over every rank: each row once, a function of the arguments."""
+        return self._layout.epoch_order(self.window, seed, epoch, shuffle)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def _key(self, index: int) -> tuple[int, int]:
+        f, g, _ = self._layout.locate(index)
+        return f, g
+
+    def _fetch(self, f: int, g: int):
+        footer, leaves = self._footers[f], self._leaves[f]
+        requests = ranges(footer.starts[g, leaves], footer.lengths[g, leaves])
+        return fetch(self.storage, footer.url, requests)
+
+    def read_nowait(self, index: int) -> Any:
+        index = self._check(index)
+        chunks = self._cache.peek(self._key(index))
+        return NOT_READY if chunks is None else (chunks, index)
+
+    async def read(self, index: int) -> tuple[Chunks, int]:
+        index = self._check(index)
+        f, g = self._key(index)
+        return await self._cache.get((f, g), lambda: self._fetch(f, g)), index
+
+    def read_blocking(self, index: int) -> tuple[Chunks, int]:
+        ready = self.read_nowait(index)
+        if ready is not NOT_READY:
+            return ready
+        return _scope.run_blocking(lambda: self.read(index))
+
+    # -- decode (in a worker) -------------------------------------------------------------------
+    def _metadata(self, f: int) -> Any:
+        md = self._parsed.get(f)
+        if md is None:
+            md = self._parsed[f] = _footer.parse(self._footers[f].raw, self.urls[f])
+        return md
+
+    def row(self, raw: tuple[Chunks, int]) -> dict[str, Any]:
+        """What a read returned, as the row dict ``{column: value}`` with values as stored."""
+        chunks, index = raw
+        f, g, r = self._layout.locate(index)
+        footer = self._footers[f]
+        try:
+            table = chunks.table(self._metadata(f), footer.size, g, self.columns)
+        except Exception as exc:
+            raise ParquetError(f"{footer.url}, row group {g}, row {r}: the row group cannot be decoded "
+                               f"({type(exc).__name__}: {exc}); the file is corrupt, or was written again since "
+                               "its footer was read") from exc
+        if table.num_rows != int(footer.rows[g]):
+            raise ParquetError(f"{footer.url}, row group {g}, row {r}: the row group decoded to {table.num_rows} "
+                               f"rows, and its footer says {int(footer.rows[g])}")
+        return {name: table.column(name)[r].as_py() for name in self.columns}
+
+    def decode(self, raw: tuple[Chunks, int]) -> Any:
+        row = self.row(raw)
+        if self._decode_fn is not None:
+            return self._decode_fn(row)
+        row = self.decode_media(row, raw[1])
+        return self._transform(row) if self._transform is not None else row
+
+    def decode_media(self, row: dict[str, Any], index: int) -> dict[str, Any]:
+        """The default decode: the image columns to uint8 ``(3, H, W)`` tensors, the sound
+        columns (with ``audio=``) to float32 ``(channels, samples)``."""
+        for name in self.images:
+            data = _payload(row[name])
+            if data is not None:
+                row[name] = _decode_image(data, lambda: f"{self.describe(index)}, column {name!r}")
+        if self._audio is not None:
+            from aioload._media.frombytes import decode_audio
+
+            for name in self.sounds:
+                data = _payload(row[name])
+                if data is not None:
+                    row[name] = decode_audio(data, where=f"{self.describe(index)}, column {name!r}", **self._audio)
+        return row
+
+    # -- whole columns --------------------------------------------------------------------------
+    def read_column(self, name: str) -> Any:
+        """Column ``name`` of every row, in index order, as one ``pyarrow.ChunkedArray``: each
+        row group's chunk of that column alone is fetched and decoded, here (say, a lengths
+        column for a packing plan)."""
+        import pyarrow as pa
+
+        for f in self._footers:
+            if name not in f.leaves:
+                raise ParquetError(f"{f.url} has no column {name!r} (its columns: {', '.join(f.columns)})")
+
+        async def all_groups() -> list[Any]:
+            import asyncio
+
+            slots = asyncio.Semaphore(32)
+
+            async def one(f: int, g: int) -> Any:
+                footer = self._footers[f]
+                leaves = np.array(list(footer.leaves[name]), dtype=np.int64)
+                async with slots:
+                    chunks = await fetch(self.storage, footer.url,
+                                         ranges(footer.starts[g, leaves], footer.lengths[g, leaves]))
+                return chunks.table(self._metadata(f), footer.size, g, [name]).column(0)
+
+            return list(await asyncio.gather(*(one(f, g) for f, footer in enumerate(self._footers)
+                                               for g in range(len(footer.rows)))))
+
+        pieces = _scope.run_blocking(all_groups)
+        return pa.chunked_array([c for piece in pieces for c in piece.chunks], type=pieces[0].type if pieces
+                                else None)
+
+    def __repr__(self) -> str:
+        mode = "uniform" if self.window is None else f"window={self.window}"
+        return (f"Parquet({len(self.urls)} files, {len(self._layout.group_rows)} row groups, {len(self)} rows, "
+                f"columns={self.columns}, {mode})")
+
+
+def _payload(value: Any) -> Any:
+    """The encoded bytes of an image or sound value: bytes, or ``datasets``' ``{"bytes", "path"}``
+    (``None`` where the value is missing)."""
+    if isinstance(value, dict):
+        return value.get("bytes")
+    return value
+
+
+def _decode_image(data: Any, where: Callable[[], str]) -> torch.Tensor:
+    from aioload.images import decode_image
+
+    try:
+        return decode_image(data)
+    except Exception as exc:
+        raise ParquetError(f"{where()}: the image cannot be decoded ({type(exc).__name__}: {exc})") from exc

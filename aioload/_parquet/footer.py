@@ -1,0 +1,237 @@
+"""A Parquet file's footer: its row groups' row counts and each column chunk's byte range.
+
+The footer is read once per file (one ranged read of the file's tail, :data:`TAIL` bytes,
+which holds the whole footer of nearly every file; a second read where it does not) and kept
+in a local cache keyed by the file's URL and version (size and ETag or mtime, as a shard's
+index is: :mod:`aioload._shards.probe`), so a later run reads no footer at all. What is kept
+is the footer's own bytes: every process parses them with pyarrow where it needs the file's
+metadata (a worker, to decode a row group it fetched), and the training process reads from
+them only the numbers the order and the reads need (:class:`Footer`).
+
+A file whose tail is not a Parquet footer (no ``PAR1`` magic, a length that runs past the
+file's start, an encrypted footer, a footer pyarrow cannot parse) raises
+:class:`ParquetError` naming the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aioload._shards import probe
+from aioload._storage.storage import Storage
+
+logger = logging.getLogger("aioload")
+
+TAIL = 64 << 10
+"""Bytes read from a file's end to find its footer: enough for the footers of files with a few
+hundred row groups of a few columns (a Hub image set's is 10-40 KiB)."""
+
+MAGIC = b"PAR1"
+
+
+class ParquetError(ValueError):
+    """A Parquet file, or a row of one, that cannot be read: not Parquet, a column it lacks, a
+    row group that fails to decode. The message names the file and, where there is one, the
+    row group and the row."""
+
+
+def pyarrow_parquet() -> Any:
+    """``pyarrow.parquet``, or an ImportError that names the extra to install."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ImportError("aioload.Parquet needs pyarrow: pip install 'aioload[parquet]'") from exc
+    return pq
+
+
+def _leaves(arrow_type) -> int:
+    """How many Parquet leaf columns (column chunks) a top-level Arrow type is stored as."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(arrow_type):
+        return sum(_leaves(arrow_type.field(i).type) for i in range(arrow_type.num_fields))
+    if pa.types.is_map(arrow_type):
+        return _leaves(arrow_type.key_type) + _leaves(arrow_type.item_type)
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
+        return _leaves(arrow_type.value_type)
+    return 1
+
+
+def parse(raw: bytes, url: str) -> Any:
+    """The pyarrow ``FileMetaData`` of a footer (``raw``: its bytes, then the 8 that end a file)."""
+    pq = pyarrow_parquet()
+    import pyarrow as pa
+
+    try:
+        return pq.read_metadata(pa.BufferReader(raw))
+    except (OSError, ValueError, pa.ArrowException) as exc:
+        raise ParquetError(f"{url} is not a Parquet file: its footer cannot be read ({exc})") from None
+
+
+@dataclass
+class Footer:
+    """What the order and the reads need of one file, from its footer.
+
+    ``rows[g]``: rows of row group ``g``; ``starts[g, c]`` and ``lengths[g, c]``: the byte range
+    of leaf column ``c``'s chunk in row group ``g``; ``columns``: the top-level columns, each
+    with the leaf columns it is stored as (``leaves[name]``: a range of leaf positions);
+    ``features``: the Hugging Face feature types found in the file's metadata (``{"image":
+    "Image", ...}``), empty for other files; ``raw``: the footer's bytes, parsed where needed."""
+
+    url: str
+    size: int
+    raw: bytes
+    rows: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    leaves: dict[str, range]
+    features: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.leaves)
+
+    @classmethod
+    def of(cls, raw: bytes, url: str, size: int) -> "Footer":
+        md = parse(raw, url)
+        schema = md.schema.to_arrow_schema()
+        leaves, at = {}, 0
+        for f in schema:
+            n = _leaves(f.type)
+            leaves[f.name] = range(at, at + n)
+            at += n
+        if at != md.num_columns:
+            raise ParquetError(f"{url}: its schema names {at} leaf columns and its row groups hold "
+                               f"{md.num_columns}: the footer is inconsistent")
+        groups = md.num_row_groups
+        rows = np.array([md.row_group(g).num_rows for g in range(groups)], dtype=np.int64)
+        starts = np.zeros((groups, at), dtype=np.int64)
+        lengths = np.zeros((groups, at), dtype=np.int64)
+        for g in range(groups):
+            rg = md.row_group(g)
+            for c in range(at):
+                col = rg.column(c)
+                dictionary = col.dictionary_page_offset if col.has_dictionary_page else None
+                start = dictionary if dictionary else col.data_page_offset  # 0 also means none
+                starts[g, c], lengths[g, c] = start, col.total_compressed_size
+        if starts.size and (int(starts.min()) < 0 or int((starts + lengths).max()) > size):
+            raise ParquetError(f"{url}: a column chunk's byte range runs outside the file's {size} bytes: "
+                               "the file is truncated, or was written again since its footer was read")
+        return cls(url, size, raw, rows, starts, lengths, leaves, _features(md))
+
+
+def _features(md) -> dict[str, str]:
+    """``{column: "Image" | "Audio" | ...}`` from the ``huggingface`` key of the file's metadata
+    (what ``datasets`` writes: ``{"info": {"features": {name: {"_type": ...}}}}``)."""
+    meta = md.metadata or {}
+    text = meta.get(b"huggingface")
+    if not text:
+        return {}
+    try:
+        features = json.loads(text)["info"]["features"]
+        return {name: str(spec.get("_type", "")) for name, spec in features.items() if isinstance(spec, dict)}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def footer_bytes(tail: bytes, size: int, url: str) -> tuple[int, int]:
+    """``(offset, length)`` of the footer (its bytes and the 8 that end the file), from the
+    file's last ``len(tail)`` bytes."""
+    if size < 12 or len(tail) < 8 or tail[-4:] != MAGIC:
+        if tail[-4:] == b"PARE":
+            raise ParquetError(f"{url} is an encrypted Parquet file: aioload.Parquet reads plain footers only")
+        raise ParquetError(f"{url} is not a Parquet file: it does not end with the magic bytes {MAGIC!r}; "
+                           "pass Parquet files only (a CSV or JSON file must be converted first)")
+    length = int.from_bytes(tail[-8:-4], "little")
+    if length + 12 > size:
+        raise ParquetError(f"{url} is not a Parquet file: its footer claims {length} bytes, more than the "
+                           f"file's {size}; it is truncated or corrupt")
+    return size - length - 8, length + 8
+
+
+async def read_footer(storage: Storage, url: str, size: int) -> bytes:
+    """The footer's bytes, read from the file's tail (once more where the tail did not hold it)."""
+    n = min(size, TAIL)
+    tail = await storage.read_range(url, size - n, n) if n else b""
+    offset, length = footer_bytes(tail, size, url)
+    if length <= len(tail):
+        return tail[len(tail) - length:]
+    return await storage.read_range(url, offset, length)
+
+
+# -- the cache ---------------------------------------------------------------------------------
+class FooterCache:
+    """Footers kept in a local folder, one file per file version."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+
+    def _path(self, url: str, version: probe.Version) -> Path:
+        digest = hashlib.sha256(f"{url}\n{version.size}\n{version.tag}".encode("utf-8", "surrogateescape"))
+        return self.folder / f"{digest.hexdigest()[:40]}.footer"
+
+    def get(self, url: str, version: probe.Version) -> bytes | None:
+        try:
+            raw = self._path(url, version).read_bytes()
+        except FileNotFoundError:
+            return None
+        return raw if raw[-4:] == MAGIC else None  # a file cut short by a crash: read again
+
+    def put(self, url: str, version: probe.Version, raw: bytes) -> None:
+        path = self._path(url, version)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(raw)
+            os.replace(tmp, path)
+        except OSError as exc:  # a read-only cache costs a footer read next time, nothing more
+            logger.warning("could not keep the footer of %s in %s: %s", url, self.folder, exc)
+
+
+def default_cache_folder() -> Path:
+    from aioload._tools.synth import cache_dir
+
+    return cache_dir() / "parquet-footer"
+
+
+async def footer(storage: Storage, url: str, cache: FooterCache | None) -> tuple[Footer, bool]:
+    """One file's :class:`Footer`, and whether it came from the cache."""
+    try:
+        version = await probe.version(storage, url)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"Parquet file {url} does not exist ({exc}); remove it from the list") from exc
+    raw = cache.get(url, version) if cache is not None else None
+    cached = raw is not None
+    if raw is None:
+        raw = await read_footer(storage, url, version.size)
+    parsed = Footer.of(raw, url, version.size)
+    if cache is not None and not cached:
+        cache.put(url, version, raw)
+    return parsed, cached
+
+
+async def footers(storage: Storage, urls: list[str], cache: FooterCache | None,
+                  concurrency: int = 32) -> list[tuple[Footer, bool]]:
+    """Every file's footer, in the order of ``urls``, ``concurrency`` at a time."""
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(url: str) -> tuple[Footer, bool]:
+        async with slots:
+            return await footer(storage, url, cache)
+
+    tasks = [asyncio.ensure_future(one(url)) for url in urls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

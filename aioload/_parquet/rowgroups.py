@@ -1,0 +1,183 @@
+"""Row groups fetched by range, decoded once, and kept a while in the process that reads them.
+
+A row group is the unit a Parquet reader can decode: its column chunks hold every row's value,
+compressed by page. A read of one row therefore fetches the chunks of the columns asked for
+in the row's row group (:func:`fetch`: the footer's byte ranges, neighbours within
+:data:`GAP` merged into one request, the requests of a row group in flight together) and
+keeps them in the :class:`RowGroupCache` of its process, so every other row of that row group
+the order brings there soon is served from the same fetch. The rows of a row group that come
+to one worker at once share one fetch in flight.
+
+Decoding (:meth:`Chunks.table`) runs pyarrow over the fetched bytes as if they were the file:
+:class:`_Sparse` is a file of the real size that holds only those ranges, and pyarrow, given
+the parsed footer, reads nothing else. The decoded table replaces the bytes in the entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+from collections import OrderedDict
+from typing import Any, Awaitable, Callable, Hashable
+
+import numpy as np
+
+from aioload._storage.storage import Storage, read_buffer
+
+GAP = 64 << 10
+"""Column chunks closer than this are fetched in one request, the gap's bytes with them."""
+
+
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int]]:
+    """The ``(offset, length)`` requests that cover the chunks, sorted, neighbours merged."""
+    out: list[list[int]] = []
+    for start, length in sorted(zip(starts.tolist(), lengths.tolist())):
+        if out and start - (out[-1][0] + out[-1][1]) <= GAP:
+            out[-1][1] = max(out[-1][1], start + length - out[-1][0])
+        else:
+            out.append([start, length])
+    return [(a, n) for a, n in out]
+
+
+class _Sparse(io.RawIOBase):
+    """A read-only file of ``size`` bytes of which only ``parts`` (``(offset, bytes)``) are known;
+    a read elsewhere is an ``OSError`` (the footer promised pyarrow would not ask for it)."""
+
+    def __init__(self, size: int, parts: list[tuple[int, Any]]):
+        super().__init__()
+        self._size, self._parts, self._pos = size, parts, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), max(0, self._size - self._pos))
+        for start, data in self._parts:
+            if start <= self._pos and self._pos + n <= start + len(data):
+                at = self._pos - start
+                buffer[:n] = data[at:at + n]
+                self._pos += n
+                return n
+        raise OSError(f"bytes {self._pos}-{self._pos + n} were not fetched (the footer's column chunk "
+                      "ranges do not cover them)")
+
+
+class Chunks:
+    """One row group's fetched column chunks (``parts``: ``(offset, bytes)``), then its decoded
+    table. ``nbytes``: what the entry weighs in the cache (fetched bytes, twice: the table
+    that replaces them is about their size once decompressed)."""
+
+    def __init__(self, parts: list[tuple[int, Any]]):
+        self.parts = parts
+        self.nbytes = 2 * sum(len(d) for _, d in parts)
+        self._table: Any = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def __reduce__(self):  # to a process that decodes what another read: the bytes travel
+        return (Chunks, (self.parts,))
+
+    def table(self, metadata, size: int, group: int, columns: list[str]) -> Any:
+        """The row group's columns as a ``pyarrow.Table``, decoded on first use; a decode that
+        failed raises its error again for every row that asks."""
+        with self._lock:
+            if self._table is None and self._error is None:
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+
+                try:
+                    source = pa.PythonFile(_Sparse(size, self.parts), mode="r")
+                    reader = pq.ParquetFile(source, metadata=metadata, pre_buffer=False)
+                    self._table = reader.read_row_group(group, columns=columns)
+                    self.parts = []  # the table holds the rows now
+                except Exception as exc:  # noqa: BLE001 - kept, and raised for every row of the group
+                    self._error = exc
+            if self._error is not None:
+                raise self._error
+            return self._table
+
+
+async def fetch(storage: Storage, url: str, requests: list[tuple[int, int]]) -> Chunks:
+    """The ranges of one row group, requested together."""
+    async def one(offset: int, length: int) -> tuple[int, Any]:
+        data = await read_buffer(storage, url, offset, length)
+        if len(data) < length:
+            raise OSError(f"{url}: {len(data)} of {length} bytes came back from byte {offset}: the file is "
+                          "shorter than its footer says (truncated, or written again since it was read)")
+        return offset, data
+
+    return Chunks(list(await asyncio.gather(*(one(a, n) for a, n in requests))))
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class RowGroupCache:
+    """The row groups this process fetched, least recently used dropped first once they weigh
+    more than ``max_bytes`` (but ``keep`` are always kept: window mode keeps its open row
+    groups). A row group being fetched is shared by every read that asks for it meanwhile."""
+
+    def __init__(self, max_bytes: int, keep: int = 1):
+        self.max_bytes, self.keep = max_bytes, keep
+        self._done: OrderedDict[Hashable, Chunks] = OrderedDict()
+        self._weight = 0
+        self._pending: dict[Hashable, asyncio.Future] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self.fetches = 0
+        self.hits = 0
+
+    def __getstate__(self):  # a copy (a spawned worker's) starts empty
+        return {"max_bytes": self.max_bytes, "keep": self.keep}
+
+    def __setstate__(self, state):
+        self.__init__(state["max_bytes"], state["keep"])
+
+    def peek(self, key: Hashable) -> Chunks | None:
+        with self._lock:
+            chunks = self._done.get(key)
+            if chunks is not None:
+                self._done.move_to_end(key)
+                self.hits += 1
+            return chunks
+
+    async def get(self, key: Hashable, make: Callable[[], Awaitable[Chunks]]) -> Chunks:
+        chunks = self.peek(key)
+        if chunks is not None:
+            return chunks
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # futures of another loop (a blocking read's) cannot be awaited here
+            self._loop, self._pending = loop, {}
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = asyncio.ensure_future(self._fetch(key, make))
+            pending.add_done_callback(_retrieve)  # every reader may be gone when it fails
+        return await asyncio.shield(pending)
+
+    async def _fetch(self, key: Hashable, make: Callable[[], Awaitable[Chunks]]) -> Chunks:
+        try:
+            chunks = await make()
+        finally:
+            self._pending.pop(key, None)
+        with self._lock:
+            self.fetches += 1
+            self._done[key] = chunks
+            self._weight += chunks.nbytes
+            while self._weight > self.max_bytes and len(self._done) > self.keep:
+                _, dropped = self._done.popitem(last=False)
+                self._weight -= dropped.nbytes
+        return chunks

@@ -1,0 +1,217 @@
+"""``aioload.Parquet`` over local files and a local fsspec store: rows written by pyarrow and
+by ``datasets`` come out as pyarrow reads them (images decoded as ``decode_image`` does),
+every row once an epoch with 0 and 2 workers, only the columns asked for, row groups fetched
+once in window mode, and the errors: not Parquet, a missing column, a row group or an image
+that fails to decode (``on_error="skip"`` leaves their rows out)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+
+import aioload
+from tests.parquet_data import image_samples, reference, write_datasets, write_pyarrow
+
+COLUMNS = ["key", "label", "tokens"]
+
+
+@pytest.fixture(scope="module")
+def samples(image_root):
+    return image_samples(image_root)  # 48 images, class by class
+
+
+@pytest.fixture(scope="module")
+def files(samples, tmp_path_factory):
+    return write_pyarrow(samples, tmp_path_factory.mktemp("pq") / "pyarrow", per_file=20, row_group_size=6)
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
+
+
+def rows_of(loader) -> list[dict]:
+    return [row for batch in loader for row in batch]
+
+
+def as_list(batch):
+    return batch
+
+
+def test_the_files_rows_are_the_dataset_in_order(files):
+    ds = aioload.Parquet(files, columns=COLUMNS)
+    assert len(ds) == 48 and ds.row_group_rows == [6, 6, 6, 2] * 2 + [6, 2]
+    assert [ds[i] for i in range(len(ds))] == reference(files, COLUMNS)
+    assert ds[-1] == ds[47] and ds.locate(21) == (files[1], 0, 1)
+    assert ds.describe(47) == f"{files[2]}, row group 1, row 1"
+    assert ds.read_column("label").to_pylist() == [r["label"] for r in reference(files, ["label"])]
+    with pytest.raises(IndexError, match="^index 48 is out of range for a Parquet dataset of 48 rows$"):
+        ds[48]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("window", [None, 2])
+def test_every_row_once_an_epoch_through_the_loader(files, workers, window):
+    ds = aioload.Parquet(files, columns=COLUMNS, window=window)
+    expected = sorted(reference(files, COLUMNS), key=lambda r: r["key"])
+    with aioload.DataLoader(ds, batch_size=5, shuffle=True, seed=3, num_workers=workers, collate_fn=as_list) as dl:
+        for epoch in range(2):
+            dl.set_epoch(epoch)
+            got = rows_of(dl)
+            assert sorted(got, key=lambda r: r["key"]) == expected
+            order = ds.epoch_order(3, epoch, True).tolist()
+            assert [r["key"] for r in got] == [ds[i]["key"] for i in order]  # the dataset's order
+
+
+def test_images_decode_as_decode_image_does_and_transform_sees_the_row(files, samples):
+    ds = aioload.Parquet(files, columns=["image", "label"], images=["image"],
+                         transform=lambda row: (row["image"], row["label"]))
+    for i in (0, 25, 47):
+        image, label = ds[i]
+        assert torch.equal(image, aioload.decode_image(samples[i][1])) and label == samples[i][2]
+
+
+def test_a_file_written_by_datasets_decodes_its_image_feature(samples, tmp_path):
+    path = write_datasets(samples, tmp_path / "hf" / "train.parquet", batch_size=8)
+    ds = aioload.Parquet(path)  # the Image feature is read from the file's metadata
+    assert ds.images == ["image"] and ds.columns == ["image", "label", "key"] and len(ds) == 48
+    with aioload.DataLoader(ds, batch_size=8, num_workers=2, shuffle=True, seed=0, collate_fn=as_list) as dl:
+        got = {row["key"]: row for row in rows_of(dl)}
+    for key, data, label in samples:
+        assert torch.equal(got[key]["image"], aioload.decode_image(data)) and got[key]["label"] == label
+    raw = aioload.Parquet(path, columns=["image"], decode=lambda row: row["image"])
+    assert raw[5] == {"bytes": samples[5][1], "path": None}  # decode= sees the struct as stored
+
+
+def test_a_folder_is_its_parquet_files_sorted(files):
+    folder = files[0].rsplit("/", 1)[0]
+    assert list(aioload.Parquet(folder, columns=["key"]).urls) == files
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_local_fsspec_store(files, workers):
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for n, path in enumerate(files):
+        with open(path, "rb") as src:
+            fs.pipe(f"/pq-{workers}/part-{n}.parquet", src.read())
+        urls.append(f"memory://pq-{workers}/part-{n}.parquet")
+    ds = aioload.Parquet(urls, columns=COLUMNS, footer_cache=False)
+    assert len(ds) == 48
+    with aioload.DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=as_list) as dl:
+        assert rows_of(dl) == reference(files, COLUMNS)  # in order without shuffle
+
+
+def test_window_mode_fetches_each_row_group_once(files):
+    ds = aioload.Parquet(files, columns=["key"], window=2, cache_bytes=0)
+    # one read at a time: reads of a row group in flight together share its fetch
+    with aioload.DataLoader(ds, batch_size=4, shuffle=True, seed=1, collate_fn=as_list, io_concurrency=1) as dl:
+        assert len(rows_of(dl)) == 48
+    assert ds._cache.fetches == len(ds.row_group_rows)  # 10 row groups, 48 rows
+    uniform = aioload.Parquet(files, columns=["key"], cache_bytes=0)
+    with aioload.DataLoader(uniform, batch_size=4, shuffle=True, seed=1, collate_fn=as_list, io_concurrency=1) as dl:
+        assert len(rows_of(dl)) == 48
+    assert uniform._cache.fetches > 2 * len(ds.row_group_rows)  # a uniform shuffle: nearly a fetch a row
+
+
+# -- errors -------------------------------------------------------------------------------------
+def test_a_file_that_is_not_parquet_is_named(files, tmp_path):
+    bad = tmp_path / "notes.parquet"
+    bad.write_text("key,label\na,1\n")
+    with pytest.raises(aioload.ParquetError, match=f"^{re.escape(str(bad))} is not a Parquet file: it does not end "
+                                                   "with the magic bytes b'PAR1'"):
+        aioload.Parquet([files[0], str(bad)])
+
+
+def test_a_missing_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="Parquet file .*nothing.parquet does not exist"):
+        aioload.Parquet(str(tmp_path / "nothing.parquet"))
+
+
+def test_a_missing_column_names_the_file_and_its_columns(files):
+    with pytest.raises(aioload.ParquetError, match=re.escape(f"{files[0]} has no column 'caption' (its columns: "
+                                                             "key, image, label, tokens); pass columns= that every "
+                                                             "file has")):
+        aioload.Parquet(files, columns=["key", "caption"])
+
+
+def corrupt_row_group(path: str, group: int) -> None:
+    """Overwrite the first bytes (a page header) of row group ``group``'s ``key`` chunk."""
+    import pyarrow.parquet as pq
+
+    chunk = pq.read_metadata(path).row_group(group).column(0)
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(b"\xff" * 16)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_row_group_that_fails_to_decode_names_its_rows_or_skips_them(samples, tmp_path, workers):
+    files = write_pyarrow(samples, tmp_path / "bad", per_file=48, row_group_size=10)
+    corrupt_row_group(files[0], 2)  # rows 20-29
+    ds = aioload.Parquet(files, columns=["key", "label"])
+    with aioload.DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=as_list) as dl:
+        with pytest.raises(aioload.ParquetError, match=re.escape(f"{files[0]}, row group 2, row 0: the row group "
+                                                                 "cannot be decoded (")):
+            rows_of(dl)
+    with aioload.DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=as_list, on_error="skip") as dl:
+        got = [r["key"] for r in rows_of(dl)]
+        assert got == [k for k, _, _ in samples[:20] + samples[30:]]
+        assert sorted(dl.stats().skipped) == list(range(20, 30))
+
+
+def test_an_image_that_fails_to_decode_names_its_row_and_column(samples, tmp_path):
+    broken = list(samples)
+    broken[7] = (broken[7][0], b"\xff\xd8\xff not a jpeg", broken[7][2])
+    files = write_pyarrow(broken, tmp_path / "img", per_file=48, row_group_size=5)
+    ds = aioload.Parquet(files, columns=["image", "label"], images=["image"])
+    with pytest.raises(aioload.ParquetError, match=re.escape(f"{files[0]}, row group 1, row 2, column 'image': the "
+                                                             "image cannot be decoded (")):
+        ds[7]
+    with aioload.DataLoader(ds, batch_size=6, num_workers=2, on_error="skip",
+                            collate_fn=lambda b: [r["label"] for r in b]) as dl:
+        assert [x for b in dl for x in b] == [t for i, (_, _, t) in enumerate(samples) if i != 7]
+
+
+def test_bad_arguments_are_refused(files):
+    with pytest.raises(ValueError, match="^window must be an int >= 1 or None, got 0$"):
+        aioload.Parquet(files, window=0)
+    with pytest.raises(TypeError, match="^columns must be a column name or a non-empty list of them, got \\[\\]$"):
+        aioload.Parquet(files, columns=[])
+    with pytest.raises(ValueError, match="^transform runs after the default decode: pass decode= or transform=, "
+                                         "not both$"):
+        aioload.Parquet(files, decode=dict, transform=dict)
+
+
+def test_hf_urls_without_huggingface_hub_name_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(ImportError, match="^hf:// URLs are read through huggingface_hub's filesystem: pip install "
+                                          "huggingface_hub$"):
+        aioload.Parquet("hf://datasets/someone/something/train.parquet")
+
+
+def test_without_pyarrow_the_error_names_the_extra(files, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ImportError, match=re.escape("aioload.Parquet needs pyarrow: pip install 'aioload[parquet]'")):
+        aioload.Parquet(files)
+
+
+def test_make_data_writes_the_images_as_parquet_sorted_by_class(tmp_path, capsys):
+    from aioload._tools import cli as _cli
+    from aioload._tools.synth import make_data
+
+    target = tmp_path / "pq"
+    assert _cli.main(["make-data", str(target), "--images", "12", "--classes", "3", "--format", "parquet"]) == 0
+    assert "12 JPEGs in 3 classes as Parquet files under" in capsys.readouterr().out
+    ds = aioload.Parquet(target)
+    assert ds.images == ["image"] and len(ds) == 12
+    folder = make_data(tmp_path / "jpeg", 12, classes=3)  # the same images as the folder's
+    rows = [ds[i] for i in range(12)]
+    assert [r["label"] for r in rows] == [0] * 4 + [1] * 4 + [2] * 4
+    jpeg = aioload.decode_image((folder / "class_001" / "img_000001.jpg").read_bytes())
+    assert torch.equal(rows[4]["image"], jpeg)
