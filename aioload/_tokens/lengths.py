@@ -3,11 +3,12 @@
 From, in order of cost:
 
 * ``lengths=`` a sequence of counts (read from a lengths column, saved by a tokenizing job);
-* ``lengths="field"``: a field of each document holding its count, or
+* ``lengths="field"``: a field of each document holding its count (a source that reads a
+  column whole, ``read_column`` as ``aioload.Parquet`` has, reads that column alone), or
 * nothing: the documents tokenized (or their token ids counted) once,
 
-both of the latter in one *index pass* over the source: an ``aioload.DataLoader`` over the
-documents in index order (``index_workers`` processes, reads many at once as for any epoch).
+otherwise in one *index pass* over the source: an ``aioload.DataLoader`` over the documents
+in index order (``index_workers`` processes, reads many at once as for any epoch).
 With ``cache=path`` the counts are kept in that file (``.npz``) with what they were computed
 from (the number of documents, the source's type, the column, the field or the tokenizer's
 definition); a later dataset over the same key loads them instead of passing again.
@@ -140,10 +141,27 @@ def save_cached(path: Path, key: str, lengths: np.ndarray) -> None:
     os.replace(temporary, path)
 
 
+def column_counts(documents: Documents, field: str) -> np.ndarray | None:
+    """The field's column read whole where the source can (``read_column``: an
+    ``aioload.Parquet`` fetches that column's chunks alone), else ``None``."""
+    read_column = getattr(documents.source, "read_column", None)
+    if not callable(read_column):
+        return None
+    column = read_column(field)
+    if column.null_count:
+        raise ValueError(f"the column {field!r} that lengths= names has {column.null_count} missing values: "
+                         "every document needs its token count")
+    return given_lengths(column.to_numpy(), len(documents))
+
+
 def document_lengths(documents: Documents, lengths, cache, workers: int) -> np.ndarray:
     """Each document's token count, as :mod:`aioload._tokens.lengths` says."""
     if lengths is not None and not isinstance(lengths, str):
         return given_lengths(lengths, len(documents))
+    if lengths is not None:
+        found = column_counts(documents, lengths)
+        if found is not None:
+            return found
     path = Path(cache) if cache is not None else None
     key = cache_key(documents, lengths)
     if path is not None:
