@@ -83,7 +83,7 @@ def source_of(texts: list[str], kind: str, folder: str):
 
     path = os.path.join(folder, "documents.parquet")
     pq.write_table(pa.table({"text": texts}), path, row_group_size=256)
-    return aioload.Parquet([path], columns=["text"])
+    return aioload.Parquet([path], columns=["text"], footer_cache=False)  # a temporary file: nothing to keep
 
 
 # -- loaders -------------------------------------------------------------------------------
