@@ -142,6 +142,37 @@ def test_without_shuffling_documents_rows_follow_the_documents_in_index_order():
     assert order == sorted(order)
 
 
+class Grouped(list):
+    """Documents in a list that says its row groups (as ``aioload.Parquet`` does)."""
+
+    def __init__(self, docs, group: int):
+        super().__init__(docs)
+        self.row_group_rows = [min(group, len(docs) - i) for i in range(0, len(docs), group)]
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_a_window_draws_each_epoch_from_k_open_blocks_of_neighbouring_documents(window):
+    docs = documents(n=120, seed=17)
+    ds = aioload.PackedTokens(Grouped(docs, 10), SEQ, window=window)
+    assert ds.deal == "blocks" and sum(ds.block_rows) == len(ds) and len(ds.block_rows) > 2 * window
+    first_row = np.cumsum([0] + ds.block_rows)
+    block_of = np.repeat(np.arange(len(ds.block_rows)), ds.block_rows)
+    for r in range(len(ds)):  # a block's rows begin in one row group of the source
+        assert ds.spans(r)[0][0] // 10 == ds.spans(int(first_row[block_of[r]]))[0][0] // 10
+    for epoch in range(2):
+        order = ds.epoch_order(3, epoch, True).tolist()
+        assert sorted(order) == list(range(len(ds)))
+        left = list(ds.block_rows)
+        begun = set()
+        for row in order:
+            begun.add(int(block_of[row]))
+            left[block_of[row]] -= 1
+            assert sum(1 for b in begun if left[b] > 0) <= window
+    assert ds.epoch_order(3, 0, True).tolist() != ds.epoch_order(3, 1, True).tolist()
+    with pytest.raises(ValueError, match=r"^window= draws rows from blocks of documents that are neighbours"):
+        aioload.PackedTokens(docs, SEQ, window=2, shuffle_documents=True)
+
+
 # ------------------------------------------------------------------------------------ loading
 def loader(ds, **kwargs) -> aioload.DataLoader:
     options = dict(batch_size=4, shuffle=True, seed=11, num_workers=0)

@@ -110,3 +110,25 @@ def test_parquet_behind_http_packs_the_rows_of_the_local_files(corpus):
         with aioload.DataLoader(ds, batch_size=4, shuffle=True, seed=1, num_workers=2) as dl:
             got = rows_of(dl)
     assert sorted(rows_seen(got, ids)) == list(range(len(memory)))
+
+
+def test_a_window_reads_each_row_group_about_once_where_a_uniform_shuffle_reads_many(corpus):
+    """Behind HTTP, one process, a row group cache of one: the requests each order makes."""
+    folder, _, docs, _ = corpus
+
+    def requests(window):
+        with Server(folder) as server:
+            urls = [server.url(f"part-{i}.parquet") for i in range(2)]
+            source = aioload.Parquet(urls, columns=["input_ids"], cache_bytes=0, footer_cache=False)
+            ds = aioload.PackedTokens(source, SEQ, column="input_ids", lengths=[len(d) for d in docs],
+                                      window=window)
+            before = sum(server.requests.values())
+            with aioload.DataLoader(ds, batch_size=4, shuffle=True, seed=1, num_workers=0) as dl:
+                assert sum(b["input_ids"].shape[0] for b in dl) == len(ds)
+            return sum(server.requests.values()) - before, len(source.row_group_rows)
+
+    windowed, groups = requests(1)
+    uniform, _ = requests(None)
+    # a block's rows read its row group and, for a row that runs on, the next one
+    assert windowed <= 2 * groups + 2
+    assert uniform > 2 * windowed

@@ -17,10 +17,11 @@ import numpy as np
 import torch
 
 from aioload._dataset import NOT_READY, Dataset
-from aioload._plan.order import epoch_order
+from aioload._plan.order import BLOCKS, STRIDE, epoch_order
+from aioload._shards.order import window_order
 from aioload._tokens.documents import Documents
 from aioload._tokens.lengths import document_lengths
-from aioload._tokens.plan import pack
+from aioload._tokens.plan import blocks, document_groups, pack
 from aioload._tokens.rows import cu_seqlens, row_tensors
 
 
@@ -45,19 +46,24 @@ class PackedTokens(Dataset):
     * ``cache`` -- a file that keeps the counts of an index pass for the next run (``.npz``).
     * ``index_workers`` -- worker processes of the index pass (0: in this process).
     * ``seed``, ``shuffle_documents`` -- the order the documents are laid end to end in
-      before they are cut: seeded by ``seed``, or index order. The packing is fixed for the
-      dataset; each epoch visits its rows in the loader's order for ``(seed, epoch)``.
+      before they are cut: seeded by ``seed`` (the default without ``window``), or index
+      order. The packing is fixed for the dataset; each epoch visits its rows in the loader's
+      order for ``(seed, epoch)``.
+    * ``window`` -- ``None``: a uniform shuffle over the rows. ``k``: the documents laid down
+      in index order, and each epoch's rows drawn from ``k`` open *blocks* at a time (the rows
+      that begin in one of the source's row groups: ``aioload.Parquet``'s, else 1,024
+      documents), a block opening when another's last row has been drawn; the rows reaching
+      a worker then read from about ``k`` row groups at a time, not one row group per row.
 
     Every token of every document is in exactly one row (a document without tokens is in
     none, and gets no ``bos``/``eos``), except the last ``len(tokens) mod
     (seq_len + 1)`` of the stream (:attr:`tail`), which are in none.
     """
 
-    deal = "stride"
-
     def __init__(self, source, seq_len: int, *, tokenizer=None, column: str | None = None, lengths=None,
-                 bos: int | None = None, eos: int | None = None, seed: int = 0, shuffle_documents: bool = True,
-                 cache=None, index_workers: int = 0):
+                 bos: int | None = None, eos: int | None = None, seed: int = 0,
+                 shuffle_documents: bool | None = None, window: int | None = None, cache=None,
+                 index_workers: int = 0):
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
         for name, value in (("bos", bos), ("eos", eos)):
@@ -65,6 +71,13 @@ class PackedTokens(Dataset):
                 raise ValueError(f"{name} must be a token id (an int >= 0) or None, got {value!r}")
         if isinstance(index_workers, bool) or not isinstance(index_workers, int) or index_workers < 0:
             raise ValueError(f"index_workers must be an int >= 0, got {index_workers!r}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
+        if window is not None and shuffle_documents:
+            raise ValueError("window= draws rows from blocks of documents that are neighbours in the source, "
+                             "so the documents are laid down in index order: leave shuffle_documents out (or "
+                             "False) with window=")
+        self.window = window
         self.documents = Documents(source, tokenizer, column)
         self.seq_len = seq_len
         self.bos, self.eos = bos, eos
@@ -72,11 +85,15 @@ class PackedTokens(Dataset):
         counts = document_lengths(self.documents, lengths, cache, index_workers)
         # A document without tokens is in no row: it gets no bos/eos either.
         self.lengths = counts + self._extra * (counts > 0)
-        self.packing = pack(self.lengths, seq_len, seed, shuffle_documents)
+        self.packing = pack(self.lengths, seq_len, seed, window is None and shuffle_documents is not False)
         if self.packing.rows == 0:
             raise ValueError(f"the {len(self.documents)} documents hold {self.packing.tail} tokens, fewer than one "
                              f"row of seq_len + 1 = {seq_len + 1}: no row can be made; pass a smaller seq_len or "
                              "more documents")
+
+        # window mode: rows per block, the blocks in row order
+        self.block_rows = (blocks(self.packing, document_groups(source, len(self.documents))).tolist()
+                           if window is not None else None)
 
     # -- the plan ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -92,10 +109,19 @@ class PackedTokens(Dataset):
         document (counting ``bos``), in the row's order."""
         return self.packing.spans(row)
 
+    @property
+    def deal(self) -> str:
+        """Every ``world_size``-th row to a rank (uniform), or contiguous runs of the order
+        (window mode: each rank then reads row groups of its own)."""
+        return STRIDE if self.window is None else BLOCKS
+
     def epoch_order(self, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
-        """Epoch ``epoch``'s order over the rows: a permutation seeded from ``(seed, epoch)``,
-        or row order without shuffling (the loader's own rule, computed on every rank)."""
-        return epoch_order(None, len(self), seed, epoch, shuffle)
+        """Epoch ``epoch``'s order over the rows, computed on every rank: a permutation seeded
+        from ``(seed, epoch)`` (the loader's own rule), or drawn from ``window`` open blocks
+        at a time; row order without shuffling."""
+        if self.window is None or self.block_rows is None:
+            return epoch_order(None, len(self), seed, epoch, shuffle)
+        return window_order(self.block_rows, self.window, seed, epoch, shuffle)
 
     @staticmethod
     def cu_seqlens(document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:

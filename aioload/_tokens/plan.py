@@ -10,7 +10,8 @@ A row is described by its *spans*: ``(document, start, stop)``, the document's t
 ``[start, stop)``, in the row's order. The packing is a pure function of the lengths,
 ``seq_len`` and the seed, so any process computes the same rows from them; which rows an epoch
 visits and in which order is the loader's plan over the row indices (``aioload._plan``), a pure
-function of ``(seed, epoch)``.
+function of ``(seed, epoch)``: a uniform shuffle, or (``window=k``) drawn from ``k`` open
+*blocks* at a time, a block being the rows that begin in one of the source's row groups.
 """
 
 from __future__ import annotations
@@ -73,3 +74,30 @@ def pack(lengths: np.ndarray, seq_len: int, seed: int, shuffle: bool) -> Packing
     total = int(ends[-1]) if ends.size else 0
     row_len = seq_len + 1
     return Packing(row_len, order.astype(index_type), ends, total // row_len, total % row_len)
+
+
+GROUP_DOCUMENTS = 1024
+"""Documents per group where the source has no row groups of its own (window mode's blocks)."""
+
+
+def document_groups(source, documents: int) -> np.ndarray:
+    """Which group each document is in, for window mode: the source's row groups where it says
+    them (``row_group_rows``, as ``aioload.Parquet`` does), else runs of ``GROUP_DOCUMENTS``."""
+    rows = getattr(source, "row_group_rows", None)
+    if rows is not None:
+        counts = np.asarray(rows, dtype=np.int64)
+        if counts.ndim == 1 and int(counts.sum()) == documents:
+            return np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    return np.arange(documents, dtype=np.int64) // GROUP_DOCUMENTS
+
+
+def blocks(packing: Packing, groups: np.ndarray) -> np.ndarray:
+    """Rows per block: the runs of consecutive rows whose first token's document is in the same
+    group. With the documents laid down in index order, a block's rows read from one or two of
+    the source's row groups."""
+    if packing.rows == 0:
+        return np.zeros(0, dtype=np.int64)
+    firsts = np.searchsorted(packing.ends, np.arange(packing.rows, dtype=np.int64) * packing.row_len, side="right")
+    group = groups[packing.order[firsts]]
+    bounds = np.concatenate([[0], np.flatnonzero(np.diff(group)) + 1, [packing.rows]])
+    return np.diff(bounds).astype(np.int64)
