@@ -180,11 +180,14 @@ def loader(ds, **kwargs) -> aioload.DataLoader:
     return aioload.DataLoader(ds, **options)
 
 
-@pytest.mark.parametrize("source", ["split", "plain"])
+@pytest.mark.parametrize("source", ["split", "plain", "window"])
 def test_the_batches_are_the_same_at_0_and_2_workers(source):
     docs = documents(seed=5)
-    ds = aioload.PackedTokens(SplitDocs(docs) if source == "split" else docs, SEQ,
-                              column="input_ids" if source == "split" else None)
+    if source == "window":
+        ds = aioload.PackedTokens(Grouped(docs, 6), SEQ, window=2)
+    else:
+        ds = aioload.PackedTokens(SplitDocs(docs) if source == "split" else docs, SEQ,
+                                  column="input_ids" if source == "split" else None)
     with loader(ds, num_workers=0) as zero, loader(ds, num_workers=2) as two:
         for epoch in range(2):
             zero.set_epoch(epoch)
@@ -245,9 +248,9 @@ def rows_seen(batches, ids) -> list[int]:
     return [ids[tuple(row.tolist())] for b in batches for row in b["input_ids"]]
 
 
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_ranks_get_equal_rows_and_a_state_resumes_on_another_world_size(ranks, drop_last):
-    ds = aioload.PackedTokens(documents(n=90, seed=7), SEQ)
+@pytest.mark.parametrize("drop_last,window", [(False, None), (True, None), (False, 2)])
+def test_ranks_get_equal_rows_and_a_state_resumes_on_another_world_size(ranks, drop_last, window):
+    ds = aioload.PackedTokens(Grouped(documents(n=90, seed=7), 8), SEQ, window=window)
     ids = row_ids(ds)
     k = 2
     before, per_rank, state = [], [], None
