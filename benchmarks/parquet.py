@@ -1,0 +1,413 @@
+"""Images in Parquet: aioload.Parquet against Hugging Face ``datasets`` (streaming and its
+map-style Arrow cache) and LitData's Parquet reader, locally and behind HTTP latency.
+
+    python benchmarks/parquet.py                 # 2,048 images in 8 class-sorted files; local and 20 ms
+    python benchmarks/parquet.py --images 512 --rounds 1 --json out.json
+
+The data: ``aioload make-data --format parquet``'s files (``aioload._tools.synth.make_parquet``):
+``--images`` synthetic ImageNet-like JPEGs in ``--classes`` classes, laid out as the Hub's image
+sets (an ``image`` struct ``{"bytes", "path"}`` and a ``label`` column, ``datasets``' ``Image``
+feature, row groups of 100 rows), ``--rows-per-file`` rows a file, sorted by class: a loader that
+shuffles poorly shows it in the classes per batch. Made once, in ``$AIOLOAD_CACHE``, with the
+same images as loose JPEGs for the ceiling and torch's row.
+
+Every row decodes with ``aioload.decode_image`` and applies ``RandomResizedCrop(224)`` + flip
+on uint8 tensors, in batches of ``--batch-size`` with ``--workers`` worker processes:
+
+* ``aioload uniform``: ``aioload.Parquet(files, columns=["image", "label"], decode=...)``, a
+  uniform shuffle over rows, row groups fetched in the workers and kept in each worker's row
+  group cache of ``--cache-mb`` (smaller than the data, as for a real set: a uniform shuffle
+  then fetches a row group for nearly every row);
+* ``aioload window=K``: the same with ``window=K``, rows drawn from K row groups at a time;
+* ``datasets streaming``: ``load_dataset("parquet", data_files=files, streaming=True)
+  .shuffle(seed, buffer_size=1000)`` (its recipe: files shuffled, a buffer of 1,000 rows),
+  the image column cast to ``Image(decode=False)`` so that the decode is the same, iterated
+  in torch's DataLoader (``datasets`` splits the files between the workers);
+* ``datasets Arrow``: ``load_dataset("parquet", data_files=files)`` (converted once into its
+  Arrow cache: the disk column), indexed by torch's DataLoader with ``shuffle=True``; local only;
+* ``LitData``: ``litdata.StreamingDataset(folder, item_loader=ParquetLoader(), shuffle=True)``
+  in its ``StreamingDataLoader`` after ``litdata.index_parquet_dataset`` (its ``index.json``);
+  local only (it reads object stores, not a latency server); its workers are spawned, as it
+  requires with this reader (polars' threads do not survive ``fork``), and start each epoch;
+* ``torch ImageFolder (files)``: torch's DataLoader over the same images as loose local files,
+  the reference for main-process CPU per image.
+
+Scenarios: ``local``, and for each of ``--latencies`` the files behind
+``aioload._tools.benchserver`` on 127.0.0.1 (each request answered after L ms, each body paced
+to ``--mb-per-s``; Range supported). Columns as in ``benchmarks/shards.py``: img/s after the
+first ``--skip-batches`` + 1 batches; the share of the local ceiling (the same decode +
+transform on the loose files in ``--workers`` bare processes); main-process CPU ms per image;
+storage requests per sample (counted by the server); peak memory (PSS); disk beyond the
+files; distinct classes per batch (a uniform shuffle's figure is printed beside it). Numbers
+from a shared machine are noisy: compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import aioload
+from aioload._tools.bench import BenchImages, ceiling, environment, measure, median, rrc_flip
+from aioload._tools.synth import cache_dir, make_image_folder, make_parquet
+
+UNIFORM = "aioload uniform"
+STREAMING = "datasets streaming"
+ARROW = "datasets Arrow"
+LITDATA = "LitData"
+TORCH_FILES = "torch ImageFolder (files)"
+
+_TRANSFORM = None
+
+
+def decode_pair(jpg, cls):
+    """The one decode every row runs: JPEG bytes -> RandomResizedCrop(224) + flip, and the class."""
+    global _TRANSFORM
+    if _TRANSFORM is None:
+        _TRANSFORM = rrc_flip()
+    return _TRANSFORM(aioload.decode_image(jpg)), int(cls)
+
+
+def decode_row(row):
+    return decode_pair(row["image"]["bytes"], row["label"])
+
+
+# ----------------------------------------------------------------------------- the data
+
+
+class Data:
+    """The Parquet files, LitData's index of a copy of them, and the same images as files."""
+
+    def __init__(self, images: int, classes: int, rows_per_file: int):
+        base = cache_dir() / f"parquet-bench-{images}-{classes}-{rows_per_file}"
+        processes = os.cpu_count() or 1
+        self.base = base
+        self.folder = make_parquet(base / "parquet", images, classes=classes, seed=0, processes=processes,
+                                   rows_per_file=rows_per_file, quiet=False)
+        self.files = sorted(p.name for p in self.folder.glob("*.parquet"))
+        self.root = make_image_folder(base / "images", images=images, classes=classes, seed=0, processes=processes)
+        self.labels = [int(x) for x in aioload.Parquet(self.folder, columns=["label"]).read_column("label").to_pylist()]
+
+    def paths(self) -> list[str]:
+        return [p for p, _ in aioload.ImageFolder(self.root).samples]
+
+    def urls(self, base: str | None) -> list[str]:
+        return [(base if base is not None else str(self.folder) + "/") + name for name in self.files]
+
+    def litdata_folder(self) -> Path:
+        """A copy of the files with LitData's ``index.json`` beside them (made on first use)."""
+        folder = self.base / "litdata"
+        if not (folder / "index.json").exists():
+            import litdata
+
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            for name in self.files:
+                os.link(self.folder / name, folder / name)
+            litdata.index_parquet_dataset(str(folder))
+        return folder
+
+    def arrow(self):
+        """``datasets``' map-style dataset of the files (its Arrow cache made on first use)."""
+        import datasets
+
+        ds = datasets.load_dataset("parquet", data_files=self.urls(None), split="train",
+                                   cache_dir=str(self.base / "hf-cache"))
+        return ds.cast_column("image", datasets.Image(decode=False))
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+# ----------------------------------------------------------------------------- the loaders
+
+
+class Recorded:
+    """A loader whose batches are counted after the first ``skip`` and whose labels are kept:
+    the distinct classes in each full batch."""
+
+    def __init__(self, loader, skip: int, batch_size: int):
+        self.loader, self.skip, self.batch_size = loader, skip, batch_size
+        self.classes: list[int] = []
+
+    def __iter__(self):
+        for i, (images, labels) in enumerate(self.loader):
+            if len(labels) == self.batch_size:
+                self.classes.append(len(set(labels.tolist())))
+            if i >= self.skip:
+                yield images, labels
+            del images
+
+    def stats(self):
+        stats = getattr(self.loader, "stats", None)
+        return stats() if stats is not None else None
+
+    def close(self) -> None:
+        close = getattr(self.loader, "close", None)
+        if close is not None:
+            close()
+
+
+def aioload_loader(ds, args, epoch: int):
+    return aioload.DataLoader(ds, shuffle=True, seed=epoch, batch_size=args.batch_size, num_workers=args.workers,
+                              drop_last=True, io_concurrency=args.io_concurrency)
+
+
+class Streaming(torch.utils.data.IterableDataset):
+    """``datasets``' streaming recipe with the same decode; ``datasets`` gives each of torch's
+    workers its share of the files."""
+
+    def __init__(self, urls: list[str], seed: int):
+        self.urls, self.seed = urls, seed
+
+    def __iter__(self):
+        import datasets
+
+        datasets.disable_progress_bars()
+        ds = datasets.load_dataset("parquet", data_files=self.urls, split="train", streaming=True)
+        ds = ds.cast_column("image", datasets.Image(decode=False)).shuffle(seed=self.seed, buffer_size=1000)
+        for row in ds:
+            yield decode_row(row)
+
+
+class Arrow(torch.utils.data.Dataset):
+    """``datasets``' map-style dataset (memory-mapped Arrow) with the same decode."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, index):
+        return decode_row(self.ds[index])
+
+
+try:
+    import litdata
+    from litdata.streaming.item_loader import ParquetLoader
+except ImportError:  # pragma: no cover - the LitData row needs it
+    litdata = None
+else:
+    class LitRows(litdata.StreamingDataset):
+        """LitData's StreamingDataset over Parquet with the same decode."""
+
+        def __getitem__(self, index):
+            return decode_row(super().__getitem__(index))
+
+
+def rows_for(scenario: str, data: Data, base: str | None, args) -> dict:
+    """name -> factory(epoch) of the loader, for one scenario."""
+    urls = data.urls(base)
+    storage = aioload.Storage(connections_per_host=max(64, args.io_concurrency))
+    cache = int(args.cache_mb * 2**20)
+    uniform = aioload.Parquet(urls, columns=["image", "label"], decode=decode_row, storage=storage,
+                              cache_bytes=cache)
+    window = aioload.Parquet(urls, columns=["image", "label"], decode=decode_row, storage=storage,
+                             window=args.window, cache_bytes=cache)
+    torch_loader = torch.utils.data.DataLoader
+    rows = {
+        UNIFORM: lambda epoch: aioload_loader(uniform, args, epoch),
+        f"aioload window={args.window}": lambda epoch: aioload_loader(window, args, epoch),
+        STREAMING: lambda epoch: torch_loader(Streaming(urls, epoch), batch_size=args.batch_size,
+                                              num_workers=args.workers, drop_last=True),
+    }
+    if scenario == "local":
+        arrow = Arrow(data.arrow())
+        rows[ARROW] = lambda epoch: torch_loader(arrow, batch_size=args.batch_size, shuffle=True,
+                                                 num_workers=args.workers, drop_last=True)
+        if litdata is not None:
+            folder = str(data.litdata_folder())
+            rows[LITDATA] = lambda epoch: litdata.StreamingDataLoader(
+                LitRows(folder, item_loader=ParquetLoader(), shuffle=True, seed=epoch),
+                batch_size=args.batch_size, num_workers=args.workers, drop_last=True,
+                multiprocessing_context="spawn")  # LitData refuses fork with its Parquet reader (polars' threads)
+        files = BenchImages(data.root, rrc_flip())
+        rows[TORCH_FILES] = lambda epoch: torch_loader(files, batch_size=args.batch_size, shuffle=True,
+                                                       num_workers=args.workers, drop_last=True)
+    return rows
+
+
+def extra_disk(name: str, data: Data) -> int:
+    if name == ARROW:
+        return folder_bytes(data.base / "hf-cache")
+    if name == LITDATA:
+        return (data.base / "litdata" / "index.json").stat().st_size
+    if name.startswith("aioload"):
+        return folder_bytes(cache_dir() / "parquet-footer")
+    return 0
+
+
+def uniform_classes(labels: list[int], batch: int, trials: int = 20) -> float:
+    """Distinct classes per full batch of a uniform shuffle of ``labels`` (the reference)."""
+    g = torch.Generator().manual_seed(0)
+    counts = []
+    tensor = torch.tensor(labels)
+    for _ in range(trials):
+        order = tensor[torch.randperm(len(labels), generator=g)]
+        for i in range(0, len(order) - batch + 1, batch):
+            counts.append(len(set(order[i:i + batch].tolist())))
+    return statistics.fmean(counts)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _progress(message: str) -> None:
+    print(f"  {message}", file=sys.stderr, flush=True)
+
+
+def run(args) -> dict:
+    from aioload._tools import bench as _bench
+    from aioload._tools.benchhttp import Server
+
+    if args.images < (args.skip_batches + 2) * args.batch_size:
+        raise SystemExit(f"--images {args.images}: at least {args.skip_batches + 2} batches of {args.batch_size} "
+                         "are needed")
+    data = Data(args.images, args.classes, args.rows_per_file)
+    scenarios = (["local"] if not args.no_local else []) + [f"{x:g} ms" for x in args.latencies]
+    servers: dict[str, Server] = {}
+    results: dict[tuple[str, str], list] = collections.defaultdict(list)
+    ceilings: list[float] = []
+    try:
+        for latency in args.latencies:
+            server = Server(data.folder, latency, mb_per_s=args.mb_per_s)
+            servers[f"{latency:g} ms"] = server
+            _bench.EXCLUDED_PIDS.add(server.proc.pid)
+        rows = {s: rows_for(s, data, servers[s].base if s in servers else None, args) for s in scenarios}
+        paths = data.paths()
+        transform = rrc_flip()
+        per_epoch = args.images // args.batch_size * args.batch_size
+        for r in range(args.rounds):
+            ceilings.append(ceiling(paths, transform, args.workers))
+            _progress(f"round {r + 1}/{args.rounds}: local ceiling {ceilings[-1]:.1f} img/s")
+            for scenario in (scenarios if r % 2 == 0 else scenarios[::-1]):
+                names = list(rows[scenario])
+                for name in (names if r % 2 == 0 else names[::-1]):
+                    server = servers.get(scenario)
+                    before = server.requests() if server is not None else 0
+                    box = {}
+
+                    def make(name=name, scenario=scenario, box=box, r=r):
+                        box["loader"] = Recorded(rows[scenario][name](r), args.skip_batches, args.batch_size)
+                        return box["loader"]
+
+                    result = measure(name, make)
+                    asked = server.requests() - before if server is not None else 0
+                    loader = box["loader"]
+                    results[scenario, name].append({
+                        "img_s": result.rate, "of_local_ceiling": result.rate / ceilings[-1] if ceilings[-1] else 0.0,
+                        "cpu_ms_per_image": result.cpu_ms_per_image, "memory_mb": result.memory_mb,
+                        "classes_per_batch": statistics.fmean(loader.classes or [0]),
+                        "requests_per_sample": asked / per_epoch if server is not None else 0.0,
+                        "disk_mb": extra_disk(name, data) / 1e6,
+                    })
+                    _progress(f"round {r + 1}/{args.rounds} {scenario:>6} {name:<26} {result.rate:8.1f} img/s, "
+                              f"main CPU {result.cpu_ms_per_image:.3f} ms/img, classes/batch "
+                              f"{results[scenario, name][-1]['classes_per_batch']:.2f}")
+    finally:
+        for server in servers.values():
+            _bench.EXCLUDED_PIDS.discard(server.proc.pid)
+            server.close()
+    out = []
+    for scenario in scenarios:
+        for name in rows[scenario]:
+            runs = results[scenario, name]
+            row = {"scenario": scenario, "row": name, "rounds_img_s": [x["img_s"] for x in runs]}
+            for key in runs[0]:
+                row[key] = median(x[key] for x in runs)
+            out.append(row)
+    return {"rows": out, "local_ceiling_img_s": median(ceilings), "ceilings": ceilings,
+            "uniform_classes_per_batch": uniform_classes(data.labels, args.batch_size), "files": len(data.files)}
+
+
+COLUMNS = [("img/s", "img_s", "{:.0f}"), ("% ceiling", "of_local_ceiling", "{:.0%}"),
+           ("main CPU ms/img", "cpu_ms_per_image", "{:.3f}"), ("req/sample", "requests_per_sample", "{:.3f}"),
+           ("peak MB (PSS)", "memory_mb", "{:.0f}"), ("disk MB", "disk_mb", "{:.1f}"),
+           ("classes/batch", "classes_per_batch", "{:.2f}")]
+
+
+def print_result(result: dict, args) -> None:
+    print(f"\n## Parquet: {args.images} images in {result['files']} class-sorted files, row groups of 100 rows, "
+          f"{args.classes} classes; RandomResizedCrop(224) + flip, batch {args.batch_size}, {args.workers} workers, "
+          f"{args.rounds} rounds; aioload's row group cache {args.cache_mb:g} MB a worker; HTTP paced to "
+          f"{args.mb_per_s:g} MB/s per response\n")
+    print(f"{'scenario':>8}  {'row':26}" + "".join(f" {title:>15}" for title, _, _ in COLUMNS))
+    for row in result["rows"]:
+        cells = "".join(f" {fmt.format(row[key]):>15}" for _, key, fmt in COLUMNS)
+        print(f"{row['scenario']:>8}  {row['row']:26}{cells}")
+    print(f"\nlocal ceiling (the same decode in {args.workers} bare processes): {result['local_ceiling_img_s']:.0f} img/s "
+          f"(rounds: {', '.join(f'{c:.0f}' for c in result['ceilings'])}); a uniform shuffle gives "
+          f"{result['uniform_classes_per_batch']:.2f} classes per batch of {args.batch_size}")
+    print_goals(result)
+
+
+def print_goals(result: dict) -> None:
+    rows = {(r["scenario"], r["row"]): r for r in result["rows"]}
+    lines = []
+    for name in [n for (s, n) in rows if n.startswith("aioload") and s == "local"]:
+        row = rows["local", name]
+        for other, goal in ((STREAMING, 1.5), (LITDATA, 1.0), (ARROW, None), (TORCH_FILES, None)):
+            if ("local", other) in rows and rows["local", other]["img_s"]:
+                ratio = row["img_s"] / rows["local", other]["img_s"]
+                lines.append(f"locally, {name}: {ratio:.2f}x {other}'s img/s"
+                             + (f" (goal >= {goal:g})" if goal else ""))
+        remote = rows.get(("20 ms", name))
+        if remote is not None and row["img_s"]:
+            lines.append(f"behind 20 ms, {name}: {remote['img_s'] / row['img_s']:.0%} of its local img/s (goal >= 90%)")
+    reference = result["uniform_classes_per_batch"]
+    for (scenario, name), row in rows.items():
+        if scenario == "local" and name != TORCH_FILES:
+            lines.append(f"class mix, {name}: {row['classes_per_batch']:.2f} classes per batch, "
+                         f"{row['classes_per_batch'] / reference - 1:+.1%} against a uniform shuffle's {reference:.2f}"
+                         + (" (goal: within 1%)" if name == UNIFORM else ""))
+    print("\n" + "\n".join(lines))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=2048)
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--rows-per-file", type=int, default=256)
+    parser.add_argument("--latencies", type=lambda t: [float(x) for x in t.split(",") if x.strip()], default=[20.0],
+                        help="HTTP latencies in ms, comma-separated (default: 20)")
+    parser.add_argument("--no-local", action="store_true", help="skip the local scenario")
+    parser.add_argument("--mb-per-s", type=float, default=200.0, help="each HTTP response's pace (default: 200)")
+    parser.add_argument("--window", type=int, default=8, help="aioload's window mode: row groups open at a time")
+    parser.add_argument("--cache-mb", type=float, default=64.0,
+                        help="aioload's row group cache per worker (default: 64, a few row groups)")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--io-concurrency", type=int, default=64)
+    parser.add_argument("--skip-batches", type=int, default=2,
+                        help="batches not counted after the first one (the read-ahead buffers)")
+    parser.add_argument("--json", help="also write the rows and settings to this file")
+    args = parser.parse_args(argv)
+    command = "python benchmarks/parquet.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    run_info = f"{environment()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start"
+    print(f"# Images in Parquet: aioload, datasets, LitData, torch\n\nrun: {run_info}\ncommand: {command}", flush=True)
+    started = time.perf_counter()
+    result = run(args)
+    print_result(result, args)
+    end_load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    print(f"\ntook {time.perf_counter() - started:.0f} s; load average {end_load[0]:.2f} at the end")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"run": run_info, "command": command, "settings": vars(args), **result}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

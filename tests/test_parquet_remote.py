@@ -1,0 +1,134 @@
+"""``aioload.Parquet`` over a real HTTP server on 127.0.0.1 (``tests/httpserver.py``): the rows
+arrive as pyarrow reads them, each read asks only for the chunks of the columns asked for, a
+footer is read once (then the cache answers), window mode fetches a row group at most once per
+worker, 5xx answers are retried, and a file cut short after its footer was read fails the rows
+it lost with the file, row group and row named (``on_error="skip"`` leaves them out)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections import Counter
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import aioload
+from tests.httpserver import Server
+from tests.parquet_data import image_samples, reference, write_datasets, write_pyarrow
+
+RETRY = aioload.RetryPolicy(attempts=3, backoff=0.01, timeout=10)
+NAMES = [f"part-{n:03d}.parquet" for n in range(3)]
+
+
+@pytest.fixture(scope="module")
+def samples(image_root):
+    return image_samples(image_root)
+
+
+@pytest.fixture(scope="module")
+def folder(samples, tmp_path_factory):
+    root = tmp_path_factory.mktemp("served-pq")
+    write_pyarrow(samples, root, per_file=20, row_group_size=6)
+    write_datasets(samples, root / "hf.parquet", batch_size=8)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def server(folder, tmp_path):
+    copy = tmp_path / "www"
+    shutil.copytree(folder, copy)
+    with Server(copy) as s:
+        s.root_path = copy
+        yield s
+
+
+def chunk_ranges(path, column: str) -> set[str]:
+    """The Range header of every row group's chunk of ``column``."""
+    md = pq.read_metadata(path)
+    leaf = [md.schema.column(c).path for c in range(md.num_columns)].index(column)
+    out = set()
+    for g in range(md.num_row_groups):
+        c = md.row_group(g).column(leaf)
+        start = c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset
+        out.add(f"bytes={start}-{start + c.total_compressed_size - 1}")
+    return out
+
+
+def as_list(batch):
+    return batch
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_rows_over_http_ask_only_for_the_columns_asked_for(server, folder, window):
+    urls = [server.url(n) for n in NAMES]
+    ds = aioload.Parquet(urls, columns=["label"], window=window, storage=aioload.Storage(retry=RETRY))
+    footers = list(server.ranges)
+    assert len(footers) == 3  # one ranged read of each file's tail
+    with aioload.DataLoader(ds, batch_size=4, shuffle=True, seed=0, num_workers=2, collate_fn=as_list) as dl:
+        got = [row["label"] for batch in dl for row in batch]
+    order = ds.epoch_order(0, 0, True).tolist()
+    labels = [r["label"] for r in reference([str(folder / n) for n in NAMES], ["label"])]
+    assert got == [labels[i] for i in order]
+    asked = Counter(server.ranges[len(footers):])
+    expected = set().union(*(chunk_ranges(folder / n, "label") for n in NAMES))
+    assert set(asked) == expected  # every label chunk, and nothing of the images
+    if window is not None:
+        assert max(asked.values()) <= 2  # a row group at most once per worker
+
+
+def test_a_footer_is_read_once_then_the_cache_answers(server):
+    urls = [server.url(n) for n in NAMES]
+    aioload.Parquet(urls)
+    before = len(server.ranges)
+    again = aioload.Parquet(urls)
+    assert len(server.ranges) == before and len(again) == 48  # HEADs only: the versions
+
+
+def test_a_datasets_file_over_http_decodes_its_images(server, samples):
+    ds = aioload.Parquet(server.url("hf.parquet"), transform=lambda row: (row["image"], row["label"]))
+    with aioload.DataLoader(ds, batch_size=6, num_workers=2, collate_fn=as_list) as dl:
+        got = [sample for batch in dl for sample in batch]
+    for (image, label), (_, data, target) in zip(got, samples, strict=True):
+        assert torch.equal(image, aioload.decode_image(data)) and label == target
+
+
+def test_5xx_answers_are_retried(server, folder):
+    ds = aioload.Parquet([server.url(n) for n in NAMES], columns=["key"], storage=aioload.Storage(retry=RETRY))
+    server.script_any(503, 503)
+    with aioload.DataLoader(ds, batch_size=4, num_workers=2, collate_fn=as_list) as dl:
+        assert [r["key"] for b in dl for r in b] == [r["key"] for r in reference([str(folder / n) for n in NAMES],
+                                                                                ["key"])]
+
+
+def test_a_missing_file_is_named_at_once(server):
+    with pytest.raises(FileNotFoundError, match=re.escape(f"Parquet file {server.url('part-009.parquet')} does "
+                                                          "not exist")):
+        aioload.Parquet([server.url(NAMES[0]), server.url("part-009.parquet")], storage=aioload.Storage(retry=RETRY))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_file_cut_short_after_its_footer_was_read_fails_the_rows_it_lost(server, samples, workers):
+    url = server.url(NAMES[0])
+    ds = aioload.Parquet(url, columns=["key", "image"], storage=aioload.Storage(retry=RETRY))
+    path = server.root_path / NAMES[0]
+    md = pq.read_metadata(path)
+    first = md.row_group(2).column(0)
+    cut = first.dictionary_page_offset if first.has_dictionary_page else first.data_page_offset
+    # row groups 2 and 3 (rows 12-19) are lost, and the footer
+    with open(path, "r+b") as f:
+        f.truncate(cut)
+    with aioload.DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=as_list) as dl:
+        with pytest.raises(Exception) as info:
+            [b for b in dl]
+    text = str(info.value) + "".join(getattr(info.value, "__notes__", []))
+    assert f"{url}, row group 2, row 0" in text and "shorter than its footer says" in text, text
+    with aioload.DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=as_list, on_error="skip") as dl:
+        assert [r["key"] for b in dl for r in b] == [k for k, _, _ in samples[:12]]
+        assert sorted(dl.stats().skipped) == list(range(12, 20))
