@@ -132,3 +132,12 @@ def test_a_window_reads_each_row_group_about_once_where_a_uniform_shuffle_reads_
     # a block's rows read its row group and, for a row that runs on, the next one
     assert windowed <= 2 * groups + 2
     assert uniform > 2 * windowed
+
+
+def test_a_null_document_is_one_without_tokens(tmp_path):
+    path = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"text": ["the cat sat", None, "a dog ran far away", None, "on the mat"]}), path)
+    ds = aioload.PackedTokens(aioload.Parquet([str(path)], columns=["text"], footer_cache=False), 3,
+                              tokenizer=word_level(), eos=1, shuffle_documents=False)
+    assert [doc for r in range(len(ds)) for doc, _, _ in ds.spans(r)] == [0, 2, 2, 4] and ds.tail == 2
+    assert ds[0]["input_ids"].tolist() == [2, 3, 4]  # "the cat sat", then eos as the last label

@@ -10,6 +10,8 @@ and decoded with their ``decode``; any other (a list, a torch dataset) is loaded
   ``tokenizers.Tokenizer`` or a ``transformers`` tokenizer (called without special tokens:
   ``bos=``/``eos=`` add them);
 * token ids (a list, an array, a 1-D tensor), or a dict with them in ``column``, without one.
+
+A missing value (``None``: a null in a Parquet column) is a document without tokens.
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ class Documents:
 
     def _ids(self, doc: int, document: Any) -> np.ndarray:
         value = self._field(doc, document)
+        if value is None:  # a missing value (a null in a Parquet column): a document without tokens
+            return np.zeros(0, dtype=np.int64)
         if self.encoder is not None:
             if isinstance(value, (bytes, bytearray, memoryview)):
                 value = bytes(value).decode("utf-8")
