@@ -41,8 +41,9 @@ class PackedTokens(Dataset):
 
     * ``bos``, ``eos`` -- token ids put before and after every document (``None``: none).
     * ``lengths`` -- each document's token count, if known: a sequence of ints (without
-      ``bos``/``eos``), or the name of a field of each document that holds it. ``None``:
-      counted in one index pass over the source when the dataset is made.
+      ``bos``/``eos``), or the name of a field of each document that holds it (read as one
+      column where the source can: ``aioload.Parquet.read_column``). ``None``: counted in
+      one index pass over the source when the dataset is made.
     * ``cache`` -- a file that keeps the counts of an index pass for the next run (``.npz``).
     * ``index_workers`` -- worker processes of the index pass (0: in this process).
     * ``seed``, ``shuffle_documents`` -- the order the documents are laid end to end in
