@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests.shards_data import image_samples
 
-__all__ = ["image_samples", "reference", "write_datasets", "write_pyarrow"]
+__all__ = ["image_samples", "plain", "reference", "write_datasets", "write_pyarrow"]
 
 
 def write_pyarrow(samples, folder: Path, per_file: int, row_group_size: int) -> list[str]:
@@ -51,3 +51,8 @@ def reference(paths: list[str], columns: list[str]) -> list[dict]:
     import pyarrow.parquet as pq
 
     return [row for p in paths for row in pq.read_table(p, columns=columns).to_pylist()]
+
+
+def plain(row: dict) -> dict:
+    """A row with its numpy arrays as lists, to compare with :func:`reference`'s."""
+    return {k: v.tolist() if hasattr(v, "tolist") else v for k, v in row.items()}

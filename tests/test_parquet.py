@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import aioload
-from tests.parquet_data import image_samples, reference, write_datasets, write_pyarrow
+import numpy as np
+
+from tests.parquet_data import image_samples, plain, reference, write_datasets, write_pyarrow
 
 COLUMNS = ["key", "label", "tokens"]
 
@@ -44,8 +46,10 @@ def as_list(batch):
 def test_the_files_rows_are_the_dataset_in_order(files):
     ds = aioload.Parquet(files, columns=COLUMNS)
     assert len(ds) == 48 and ds.row_group_rows == [6, 6, 6, 2] * 2 + [6, 2]
-    assert [ds[i] for i in range(len(ds))] == reference(files, COLUMNS)
-    assert ds[-1] == ds[47] and ds.locate(21) == (files[1], 0, 1)
+    assert [plain(ds[i]) for i in range(len(ds))] == reference(files, COLUMNS)
+    tokens = ds[3]["tokens"]  # a list of numbers is a numpy array, writable (no warning from torch)
+    assert isinstance(tokens, np.ndarray) and tokens.dtype == np.int64 and tokens.flags.writeable
+    assert plain(ds[-1]) == plain(ds[47]) and ds.locate(21) == (files[1], 0, 1)
     assert ds.describe(47) == f"{files[2]}, row group 1, row 1"
     assert ds.read_column("label").to_pylist() == [r["label"] for r in reference(files, ["label"])]
     with pytest.raises(IndexError, match="^index 48 is out of range for a Parquet dataset of 48 rows$"):
@@ -60,7 +64,7 @@ def test_every_row_once_an_epoch_through_the_loader(files, workers, window):
     with aioload.DataLoader(ds, batch_size=5, shuffle=True, seed=3, num_workers=workers, collate_fn=as_list) as dl:
         for epoch in range(2):
             dl.set_epoch(epoch)
-            got = rows_of(dl)
+            got = [plain(r) for r in rows_of(dl)]
             assert sorted(got, key=lambda r: r["key"]) == expected
             order = ds.epoch_order(3, epoch, True).tolist()
             assert [r["key"] for r in got] == [ds[i]["key"] for i in order]  # the dataset's order
@@ -103,7 +107,7 @@ def test_a_local_fsspec_store(files, workers):
     ds = aioload.Parquet(urls, columns=COLUMNS, footer_cache=False)
     assert len(ds) == 48
     with aioload.DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=as_list) as dl:
-        assert rows_of(dl) == reference(files, COLUMNS)  # in order without shuffle
+        assert [plain(r) for r in rows_of(dl)] == reference(files, COLUMNS)  # in order without shuffle
 
 
 def test_window_mode_fetches_each_row_group_once(files):
@@ -215,3 +219,49 @@ def test_make_data_writes_the_images_as_parquet_sorted_by_class(tmp_path, capsys
     assert [r["label"] for r in rows] == [0] * 4 + [1] * 4 + [2] * 4
     jpeg = aioload.decode_image((folder / "class_001" / "img_000001.jpg").read_bytes())
     assert torch.equal(rows[4]["image"], jpeg)
+
+
+def test_reads_stay_in_the_workers_with_a_storage_cache(files):
+    # a read's result is its whole row group: sending it from the training process for every
+    # row would cost the row group's bytes per row
+    storage = aioload.Storage(cache=aioload.MemoryCache(64 << 20))
+    ds = aioload.Parquet(files, columns=COLUMNS, storage=storage)
+    assert ds.read_in_workers
+    footers = storage.cache.stats().misses  # the footers' reads, here
+    with aioload.DataLoader(ds, batch_size=4, num_workers=2, collate_fn=as_list) as dl:
+        assert [plain(r) for r in rows_of(dl)] == reference(files, COLUMNS)
+    assert storage.cache.stats().misses == footers  # this process's copy of the cache read no row group
+
+
+def wav(freq: float, rate: int = 8000) -> bytes:
+    """One second of a sine as a 16-bit mono WAV."""
+    import io
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        t = np.arange(rate) / rate
+        w.writeframes((np.sin(2 * np.pi * freq * t) * 10000).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def test_a_datasets_audio_column_decodes_as_decode_audio_does(tmp_path):
+    import datasets
+
+    datasets.disable_progress_bars()
+    sounds = [wav(f) for f in (220, 440, 880)]
+    features = datasets.Features({"audio": datasets.Audio(), "label": datasets.Value("int64")})
+    datasets.Dataset.from_dict({"audio": [{"bytes": s, "path": None} for s in sounds], "label": [0, 1, 2]},
+                               features=features).to_parquet(str(tmp_path / "audio.parquet"))
+    args = dict(sample_rate=8000, seconds=0.5, crops="uniform")
+    ds = aioload.Parquet(tmp_path / "audio.parquet", audio=args)
+    assert ds.sounds == ["audio"]
+    with aioload.DataLoader(ds, batch_size=3, num_workers=2) as dl:
+        (batch,) = list(dl)
+    for i, sound in enumerate(sounds):
+        assert torch.equal(batch["audio"][i], aioload.decode_audio(sound, **args))
+    assert batch["label"].tolist() == [0, 1, 2]
+    assert isinstance(aioload.Parquet(tmp_path / "audio.parquet")[0]["audio"], dict)  # no audio=: left encoded

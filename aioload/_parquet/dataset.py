@@ -83,10 +83,12 @@ class Parquet(Dataset):
     patterns. Row ``i`` of the dataset is the files' rows laid end to end. A sample is a dict
     ``{column: value}`` of the ``columns`` asked for (default: every column of the first file).
 
-    * ``decode`` -- ``None``: images and sounds are decoded (below), every other value is
-      pyarrow's Python value (``int``, ``str``, ``bytes``, a list, a dict for a struct).
+    * ``decode`` -- ``None``: images and sounds are decoded (below), a list of numbers (token
+      ids, say) is a 1-D numpy array, every other value is pyarrow's Python value (``int``,
+      ``str``, ``bytes``, a list, a dict for a struct).
       A function: called in the workers with the row dict, values as stored (an image column
-      of ``datasets`` is ``{"bytes": b"...", "path": ...}``), returns the training sample.
+      of ``datasets`` is ``{"bytes": b"...", "path": ...}``; numbers' lists as numpy arrays),
+      returns the training sample.
     * ``transform`` -- with the default ``decode``: a function of the decoded row dict (say,
       ``lambda row: (augment(row["image"]), row["label"])``).
     * ``images`` -- columns the default ``decode`` decodes as images (uint8 ``(3, H, W)``, as
@@ -216,6 +218,13 @@ class Parquet(Dataset):
         """The epoch's order over every rank: each row once, a function of the arguments."""
         return self._layout.epoch_order(self.window, seed, epoch, shuffle)
 
+    @property
+    def read_in_workers(self) -> bool:  # type: ignore[override]
+        """Always: a read hands its worker the whole row group it fetched, which is cheap in the
+        process that decodes and costly to send to another (a storage cache is then each
+        worker's own)."""
+        return True
+
     # -- reads ----------------------------------------------------------------------------------
     def _key(self, index: int) -> tuple[int, int]:
         f, g, _ = self._layout.locate(index)
@@ -263,7 +272,8 @@ class Parquet(Dataset):
         if table.num_rows != int(footer.rows[g]):
             raise ParquetError(f"{footer.url}, row group {g}, row {r}: the row group decoded to {table.num_rows} "
                                f"rows, and its footer says {int(footer.rows[g])}")
-        return {name: table.column(name)[r].as_py() for name in self.columns}
+        numeric = chunks.numeric_lists(table)
+        return {name: _value(table.column(name)[r], name in numeric) for name in self.columns}
 
     def decode(self, raw: tuple[Chunks, int]) -> Any:
         row = self.row(raw)
@@ -323,6 +333,14 @@ class Parquet(Dataset):
         mode = "uniform" if self.window is None else f"window={self.window}"
         return (f"Parquet({len(self.urls)} files, {len(self._layout.group_rows)} row groups, {len(self)} rows, "
                 f"columns={self.columns}, {mode})")
+
+
+def _value(scalar: Any, numeric_list: bool) -> Any:
+    """A pyarrow scalar as Python: a list of numbers as a 1-D numpy array (a copy, writable:
+    torch's collation makes it a tensor without a warning), anything else as ``as_py()``."""
+    if numeric_list and scalar.is_valid:
+        return np.array(scalar.values.to_numpy(zero_copy_only=False))
+    return scalar.as_py()
 
 
 def _payload(value: Any) -> Any:

@@ -67,7 +67,7 @@ class _Sparse(io.RawIOBase):
         for start, data in self._parts:
             if start <= self._pos and self._pos + n <= start + len(data):
                 at = self._pos - start
-                buffer[:n] = data[at:at + n]
+                buffer[:n] = memoryview(data)[at:at + n]
                 self._pos += n
                 return n
         raise OSError(f"bytes {self._pos}-{self._pos + n} were not fetched (the footer's column chunk "
@@ -83,6 +83,7 @@ class Chunks:
         self.parts = parts
         self.nbytes = 2 * sum(len(d) for _, d in parts)
         self._table: Any = None
+        self._numeric: set[str] | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
 
@@ -100,13 +101,28 @@ class Chunks:
                 try:
                     source = pa.PythonFile(_Sparse(size, self.parts), mode="r")
                     reader = pq.ParquetFile(source, metadata=metadata, pre_buffer=False)
-                    self._table = reader.read_row_group(group, columns=columns)
+                    # one thread: the workers are the parallelism (pyarrow's pool would take every core in each)
+                    self._table = reader.read_row_group(group, columns=columns, use_threads=False)
                     self.parts = []  # the table holds the rows now
                 except Exception as exc:  # noqa: BLE001 - kept, and raised for every row of the group
                     self._error = exc
             if self._error is not None:
                 raise self._error
             return self._table
+
+
+    def numeric_lists(self, table) -> set[str]:
+        """The columns of ``table`` that are lists of integers or floats."""
+        if self._numeric is None:
+            import pyarrow as pa
+
+            def numeric(t) -> bool:
+                return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+            self._numeric = {f.name for f in table.schema
+                             if (pa.types.is_list(f.type) or pa.types.is_large_list(f.type))
+                             and numeric(f.type.value_type)}
+        return self._numeric
 
 
 async def fetch(storage: Storage, url: str, requests: list[tuple[int, int]]) -> Chunks:
