@@ -22,6 +22,7 @@ from aioload._shards.index import ShardError
 from aioload._shards.writer import ShardWriter
 from aioload._storage.storage import Storage, read_bytes, read_range
 from aioload._strings import StringList
+from aioload._tokens.dataset import PackedTokens
 from aioload._tools.synth import make_data
 
 __version__ = "0.1.0"
@@ -57,6 +58,7 @@ __all__ = [
     "LoaderStats",
     "MemoryCache",
     "Mix",
+    "PackedTokens",
     "Parquet",
     "ParquetError",
     "RemoteReadError",
