@@ -314,7 +314,7 @@ def test_make_data_command(tmp_path, capsys):
     assert [label for _, label in dataset.samples] == [0, 0, 1, 1, 2, 2]
     before = {p: p.stat().st_mtime_ns for p in target.rglob("*.jpg")}
     assert _cli.main(["make-data", str(target), "--images", "6", "--classes", "3"]) == 0
-    assert capsys.readouterr().out == f"{target} already holds a complete generated folder: nothing to do\n"
+    assert capsys.readouterr().out == f"{target} already holds these 6 generated JPEGs: nothing to do\n"
     assert {p: p.stat().st_mtime_ns for p in target.rglob("*.jpg")} == before
 
 

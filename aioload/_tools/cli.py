@@ -280,14 +280,16 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def make_data_command(args: argparse.Namespace) -> int:
-    from aioload._tools.synth import is_complete, make_data
+    from aioload._tools.synth import made_with, make_data
 
-    if is_complete(args.dir):
-        print(f"{args.dir} already holds a complete generated folder: nothing to do")
+    before = made_with(args.dir)
+    if before == {"images": args.images, "classes": args.classes, "seed": args.seed}:
+        print(f"{args.dir} already holds these {args.images} generated JPEGs: nothing to do")
         return 0
     root = make_data(args.dir, args.images, classes=args.classes, seed=args.seed, quiet=False,
                      processes=os.cpu_count() or 1)
-    print(f"{args.images} JPEGs in {args.classes} class folders under {root}")
+    was = f" (it held {before['images']})" if before is not None else ""
+    print(f"{args.images} JPEGs in {args.classes} class folders under {root}{was}")
     return 0
 
 
@@ -305,11 +307,59 @@ def _storage_options(text: str | None) -> dict:
     return options
 
 
+def _shard_files(dest: str, options: dict) -> tuple[list[str], list[str]]:
+    """What the output folder ``dest`` holds: ``(every entry, the shards and sidecars among them)``."""
+    from aioload._shards.index import SIDECAR
+    from aioload._storage.storage import locate
+
+    kind, where = locate(dest)
+    if kind == "http":
+        return [], []  # the writer refuses HTTP with its own message
+    if kind == "local":
+        if not os.path.isdir(where):
+            return [], []
+        entries = [os.path.join(where, name) for name in sorted(os.listdir(where))]
+    else:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(dest, **options)
+        try:
+            entries = sorted(fs.ls(path, detail=False))
+        except FileNotFoundError:
+            return [], []
+    return entries, [e for e in entries if e.endswith((".tar", ".tar" + SIDECAR))]
+
+
+def _remove(paths: list[str], dest: str, options: dict) -> None:
+    from aioload._storage.storage import locate
+
+    if locate(dest)[0] == "local":
+        for path in paths:
+            os.remove(path)
+        return
+    import fsspec
+
+    fsspec.core.url_to_fs(dest, **options)[0].rm(paths)
+
+
 def make_shards_command(args: argparse.Namespace) -> int:
     from aioload._shards.writer import convert_folder, folder_samples
+    from aioload._storage.storage import locate
 
     options = _storage_options(args.storage_options)
+    kind, src = locate(args.src)
+    if kind == "local" and not os.path.isdir(src):
+        raise SystemExit(f"error: {args.src} is not a folder: SRC is a class-per-folder tree (SRC/CLASS/IMAGE.jpg, "
+                         "as ImageFolder reads it)")
+    entries, shards = _shard_files(args.dest, options)
+    if entries and not args.overwrite:
+        raise SystemExit(f"error: {args.dest} is not empty ({len(entries)} entries, such as "
+                         f"{os.path.basename(entries[0].rstrip('/'))}): shards written beside old ones would be read "
+                         "with them; write into an empty folder, or pass --overwrite to remove the shards there first")
     total = len(folder_samples(args.src, options)[1])
+    if shards:
+        _remove(shards, args.dest, options)
+        print(f"removed {len(shards)} old shard files (shards and their index sidecars) from {args.dest}")
     bar = None
     if sys.stderr.isatty():  # a bar on a terminal; a log or a pipe gets the summary alone
         from aioload._observe.monitor import tqdm_class
@@ -437,6 +487,9 @@ def parser() -> argparse.ArgumentParser:
                    help="member bytes per shard before a new one starts (default: %(default)g)")
     s.add_argument("--shuffle", type=int, metavar="SEED", default=None,
                    help="shuffle the samples with this seed before writing (default: class by class)")
+    s.add_argument("--overwrite", action="store_true",
+                   help="write into a DEST that is not empty, removing the shards (.tar) and index sidecars "
+                        "there first; without it a DEST that holds anything is refused")
     s.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DEST, as a JSON object")
     x = sub.add_parser("index", help="write index sidecars for WebDataset tar shards", epilog=EPILOG,
                        formatter_class=help_fmt,
@@ -468,12 +521,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in positive:
         if getattr(args, name) != "auto" and getattr(args, name) < 1:
             top.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.command == "make-data":
-        return make_data_command(args)
-    if args.command == "make-shards":
-        return make_shards_command(args)
-    if args.command == "index":
-        return index_command(args)
+    commands = {"make-data": make_data_command, "make-shards": make_shards_command, "index": index_command}
+    if args.command in commands:
+        try:
+            return commands[args.command](args)
+        except (OSError, ValueError, ImportError) as exc:
+            # a path missing or unreadable, an argument or a file the library refuses, an extra not
+            # installed: the message names it, and a traceback would only bury it
+            print(f"error: aioload {args.command}: {exc}", file=sys.stderr)
+            return 1
     for name in ("latency_ms", "step_ms"):
         if getattr(args, name) < 0:
             top.error(f"--{name.replace('_', '-')} must be >= 0")
