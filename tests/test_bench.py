@@ -71,6 +71,12 @@ def test_bench_runs_both_scenarios_and_draws_a_png(tmp_path):
     done = run_bench([*SMALL, "--plot", str(tmp_path / "bench.png")], cache,
                      path=os.pathsep.join([str(blocked.parent), str(ROOT)]))
     out, err = done.stdout, done.stderr
+    # how it was run comes first, stamped with the time it started; the line under the table
+    # repeats it with how long it took
+    first, header = out.splitlines()[:2]
+    assert re.fullmatch(r"run: python .*, \d{4}-\d\d-\d\d \d\d:\d\d:\d\d", first), first
+    assert re.search(rf"\n{re.escape(first)}, took \d+ s\n", out), out
+    assert header.endswith(", 1 interleaved round per scenario"), header
     assert f"generating 32 synthetic ImageNet-like JPEGs in {cache}" in err
     assert "made earlier" not in err
     table = out.split("aioload pipeline")[0]

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import aioload
 from aioload._shards.index import SIDECAR
 from aioload._tools import cli as _cli
@@ -89,3 +91,37 @@ def test_make_shards_refuses_an_occupied_folder_unless_overwrite(image_root, tmp
     ds = aioload.WebDataset(sorted(str(p) for p in out.glob("*.tar")), index_cache=False)
     keys = [ds.key(i) for i in range(len(ds))]
     assert len(keys) == len(set(keys)) == 48
+
+
+# -- help, version, wording ---------------------------------------------------------------------
+LOADS_NOTHING = """
+import sys
+from aioload._tools.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    print("exit", exc.code)
+heavy = sorted(m for m in ("torch", "torchvision", "numpy", "PIL") if m in sys.modules)
+print("imported", heavy)
+"""
+
+
+def test_help_and_version_answer_without_importing_torch(tmp_path):
+    for args, shown in ((["--help"], "usage: aioload [-h] [--version] COMMAND ..."),
+                        (["--version"], f"aioload {aioload.__version__}"),
+                        (["make-shards", "--help"], "usage: aioload make-shards")):
+        done = subprocess.run([sys.executable, "-c", LOADS_NOTHING, *args], capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
+        assert done.stdout.startswith(shown) and done.stdout.endswith("exit 0\nimported []\n"), done.stdout + done.stderr
+    import importlib.metadata
+
+    assert aioload.__version__ == importlib.metadata.version("aioload")  # pyproject.toml's
+
+
+def test_messages_put_an_before_a_vowel(image_root, tmp_path):
+    loader = aioload.DataLoader(aioload.ImageFolder(image_root), batch_size=4)
+    with loader, pytest.raises(TypeError, match=r"this loader's dataset is an ImageFolder$"):
+        loader.set_weights([1.0])
+    with pytest.raises(TypeError, match=r"^sample 'k': member 'cls' is an object; give bytes"):
+        with aioload.ShardWriter(str(tmp_path / "a-%06d.tar")) as writer:
+            writer.write({"__key__": "k", "cls": object()})

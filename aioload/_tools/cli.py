@@ -12,6 +12,7 @@ import os
 import statistics
 import sys
 import textwrap
+import time
 from dataclasses import dataclass, field
 
 DESCRIPTION = ("The aioload command line: measure aioload against torch's DataLoader, make data to try a\n"
@@ -107,7 +108,7 @@ def _run_scenarios(args, root: str) -> list[Scenario] | int:
         return 2
     print(f"aioload bench: {n} images in {root}, batch {args.batch_size}, {args.workers} workers, "
           f"io_concurrency {args.io_concurrency}, queue_depth {args.queue_depth}, "
-          f"training step {args.step_ms:g} ms, {args.rounds} interleaved rounds per scenario", flush=True)
+          f"training step {args.step_ms:g} ms, {_plural(args.rounds, 'interleaved round')} per scenario", flush=True)
     done = []
     for key in args.scenarios:
         title = SCENARIOS[key].format(latency=args.latency_ms)
@@ -200,7 +201,7 @@ def table(scenarios: list[Scenario], step: bool = False) -> str:
 
 
 def _workers(n: int) -> str:
-    return f"{n} worker{'' if n == 1 else 's'}"
+    return _plural(n, "worker")
 
 
 def ceiling_note(local: Scenario, highest: float) -> str:
@@ -245,6 +246,15 @@ def next_step(args: argparse.Namespace) -> str:
     return "next: put aioload.DataLoader into your training loop (README.md: the one-line change)"
 
 
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} m {seconds} s" if minutes else f"{seconds} s"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def bench(args: argparse.Namespace) -> int:
     from aioload._tools.bench import environment
 
@@ -255,6 +265,8 @@ def bench(args: argparse.Namespace) -> int:
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
+    run, started = environment(), time.monotonic()  # its time stamp: the start
+    print(f"run: {run}", flush=True)
     root = _data(args)
     scenarios = _run_scenarios(args, root)
     if isinstance(scenarios, int):
@@ -271,7 +283,7 @@ def bench(args: argparse.Namespace) -> int:
 
         plot(args.plot, scenarios)
         print(f"\nplot: {args.plot}")
-    print(f"\nrun: {environment()}")
+    print(f"\nrun: {run}, took {_duration(time.monotonic() - started)}")
     print(f"command: aioload bench {' '.join(sys.argv[2:])}".rstrip())
     print()
     print(summary(scenarios, args))
@@ -424,7 +436,10 @@ class _TopHelp(argparse.RawDescriptionHelpFormatter):
 
 def parser() -> argparse.ArgumentParser:
     help_fmt = argparse.RawDescriptionHelpFormatter
+    from aioload import __version__
+
     top = argparse.ArgumentParser(prog="aioload", description=DESCRIPTION, epilog=EPILOG, formatter_class=_TopHelp)
+    top.add_argument("--version", action="version", version=f"aioload {__version__}")
     # the commands are listed once, by argparse, from each add_parser's help
     sub = top.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     b = sub.add_parser(
