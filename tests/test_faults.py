@@ -608,7 +608,7 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.fixture
-def children():
+def child_programs():
     """The child programs a test starts, each in a process group of its own with its workers:
     whatever the test's end (a failed assertion, its timeout), none is left behind, since
     later tests count processes."""
@@ -621,13 +621,13 @@ def children():
             proc.communicate(timeout=10)
 
 
-def run_child(tmp_path, make, children, mode: str, workers: int = 2) -> tuple[subprocess.Popen, list[int]]:
+def run_child(tmp_path, make, child_programs, mode: str, workers: int = 2) -> tuple[subprocess.Popen, list[int]]:
     make()
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(root_dir=os.path.dirname(TESTS_DIR), root=str(tmp_path / "data")))
     proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-    children.append(proc)
+    child_programs.append(proc)
     ready, _, _ = select.select([proc.stdout], [], [], 45)
     line = proc.stdout.readline() if ready else ""
     if not line:
@@ -651,10 +651,10 @@ def finished(proc: subprocess.Popen, timeout: float = 15.0) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("mode", ["with", "waiting"])
-def test_ctrl_c_stops_workers_and_exits(tmp_path, make, children, mode):
+def test_ctrl_c_stops_workers_and_exits(tmp_path, make, child_programs, mode):
     """Ctrl-C goes to the whole foreground process group, workers included, as a terminal does;
     in "waiting" the consumer is blocked on a batch whose worker is stuck."""
-    proc, workers = run_child(tmp_path, make, children, mode)
+    proc, workers = run_child(tmp_path, make, child_programs, mode)
     os.killpg(proc.pid, signal.SIGINT)
     code, err = finished(proc)
     assert code != 0
@@ -663,8 +663,8 @@ def test_ctrl_c_stops_workers_and_exits(tmp_path, make, children, mode):
     wait_until(lambda: all(gone(pid) for pid in workers), 10, "the workers to exit after Ctrl-C")
 
 
-def test_interpreter_exit_while_iterating_stops_workers(tmp_path, make, children):
-    proc, workers = run_child(tmp_path, make, children, "exit")
+def test_interpreter_exit_while_iterating_stops_workers(tmp_path, make, child_programs):
+    proc, workers = run_child(tmp_path, make, child_programs, "exit")
     code, err = finished(proc)
     assert (code, err) == (0, "")
     wait_until(lambda: all(gone(pid) for pid in workers), 10, "the workers to exit with the interpreter")
@@ -699,10 +699,10 @@ def test_a_loaders_workers_hold_no_socket_of_another_loader(make, before):
 
 
 @pytest.mark.parametrize("mode, count", [("with", 2), ("two", 4)])
-def test_workers_exit_when_the_loader_process_is_killed(tmp_path, make, children, mode, count):
+def test_workers_exit_when_the_loader_process_is_killed(tmp_path, make, child_programs, mode, count):
     """With two loaders, the second pool's workers were forked holding the first pool's
     sockets: they must not keep the first pool's workers from seeing the end of stream."""
-    proc, workers = run_child(tmp_path, make, children, mode, count)
+    proc, workers = run_child(tmp_path, make, child_programs, mode, count)
     proc.kill()
     finished(proc)
     wait_until(lambda: all(gone(pid) for pid in workers), 10, "orphaned workers to exit")
