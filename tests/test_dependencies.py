@@ -158,7 +158,8 @@ def test_async_example_runs_with_only_the_declared_dependencies(tmp_path):
     hidden = sorted(module for module, dists in _modules().items()
                     if module.isidentifier() and not {_normal(d) for d in dists} & installed
                     and module != "aioload")
-    assert "sniffio" in hidden and "trio" in hidden and "torch" not in hidden
+    # the test extra's trio (and what it brings, sniffio) is hidden; torch and what it needs is not
+    assert "trio" in hidden and ("sniffio" in hidden or not _distributions("sniffio")) and "torch" not in hidden
     env = dict(os.environ, AIOLOAD_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", HIDE, ",".join(hidden), str(ROOT / "examples/train_async.py"),
                            "--steps", "6", "--workers", "1"],
