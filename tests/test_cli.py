@@ -69,7 +69,7 @@ def test_make_data_refuses_other_classes_or_seed_in_a_folder_made_before(tmp_pat
 # -- make-shards --------------------------------------------------------------------------------
 def test_make_shards_from_a_missing_folder_is_one_line_naming_it(tmp_path):
     err = one_line_error(aioload_cli("make-shards", str(tmp_path / "nope"), str(tmp_path / "out"), cache=tmp_path))
-    assert err == (f"error: {tmp_path / 'nope'} is not a folder: SRC is a class-per-folder tree "
+    assert err == (f"error: aioload make-shards: {tmp_path / 'nope'} is not a folder: SRC is a class-per-folder tree "
                    "(SRC/CLASS/IMAGE.jpg, as ImageFolder reads it)\n")
     assert not (tmp_path / "out").exists()
 
@@ -80,7 +80,7 @@ def test_make_shards_refuses_an_occupied_folder_unless_overwrite(image_root, tmp
     before = sorted(p.name for p in out.iterdir())
     assert len(before) == 6  # 3 shards and their sidecars
     err = one_line_error(aioload_cli("make-shards", str(image_root), str(out), "--maxcount", "30", cache=tmp_path))
-    assert err.startswith(f"error: {out} is not empty (6 entries, such as train-000000.tar): ")
+    assert err.startswith(f"error: aioload make-shards: {out} is not empty (6 entries, such as train-000000.tar): ")
     assert err.endswith("pass --overwrite to remove the shards there first\n")
     assert sorted(p.name for p in out.iterdir()) == before
     done = aioload_cli("make-shards", str(image_root), str(out), "--maxcount", "30", "--overwrite", "--name", "b",

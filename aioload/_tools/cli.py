@@ -361,11 +361,11 @@ def make_shards_command(args: argparse.Namespace) -> int:
     options = _storage_options(args.storage_options)
     kind, src = locate(args.src)
     if kind == "local" and not os.path.isdir(src):
-        raise SystemExit(f"error: {args.src} is not a folder: SRC is a class-per-folder tree (SRC/CLASS/IMAGE.jpg, "
-                         "as ImageFolder reads it)")
+        raise ValueError(f"{args.src} is not a folder: SRC is a class-per-folder tree (SRC/CLASS/IMAGE.jpg, as "
+                         "ImageFolder reads it)")
     entries, shards = _shard_files(args.dest, options)
     if entries and not args.overwrite:
-        raise SystemExit(f"error: {args.dest} is not empty ({len(entries)} entries, such as "
+        raise ValueError(f"{args.dest} is not empty ({len(entries)} entries, such as "
                          f"{os.path.basename(entries[0].rstrip('/'))}): shards written beside old ones would be read "
                          "with them; write into an empty folder, or pass --overwrite to remove the shards there first")
     total = len(folder_samples(args.src, options)[1])
@@ -435,9 +435,9 @@ class _TopHelp(argparse.RawDescriptionHelpFormatter):
 
 
 def parser() -> argparse.ArgumentParser:
-    help_fmt = argparse.RawDescriptionHelpFormatter
     from aioload import __version__
 
+    help_fmt = argparse.RawDescriptionHelpFormatter
     top = argparse.ArgumentParser(prog="aioload", description=DESCRIPTION, epilog=EPILOG, formatter_class=_TopHelp)
     top.add_argument("--version", action="version", version=f"aioload {__version__}")
     # the commands are listed once, by argparse, from each add_parser's help

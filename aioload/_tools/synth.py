@@ -91,6 +91,10 @@ def default_root(images: int = DEFAULT_IMAGES, classes: int = DEFAULT_CLASSES, s
     return cache_dir() / f"imagenet-like-{images}-{classes}-s{seed}"
 
 
+_ASKED = ("images", "classes", "seed")
+"""What a generated folder's ``.complete`` marker records (JSON): the arguments that made it."""
+
+
 def made_with(root: str | os.PathLike) -> dict[str, int] | None:
     """What a folder that :func:`make_data` finished was made with (``images``, ``classes``,
     ``seed``, from its ``.complete`` marker), or ``None``: unfinished, or marked by an older
@@ -100,9 +104,6 @@ def made_with(root: str | os.PathLike) -> dict[str, int] | None:
     except (OSError, ValueError):
         return None
     return made if isinstance(made, dict) and set(made) == set(_ASKED) else None
-
-
-_ASKED = ("images", "classes", "seed")
 
 
 def is_complete(root: str | os.PathLike) -> bool:
