@@ -74,6 +74,11 @@ class BlockingReadWarning(RuntimeWarning):
     docs/troubleshooting.md."""
 
 
+def a_kind(name: str) -> str:
+    """``name`` after its article, for messages: ``an ImageFolder``, ``a Mix``, ``an int``."""
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def where(describe, index) -> str:
     """`` (path)`` for error notes when the dataset can say where ``index`` lives, else ``""``."""
     if describe is None or isinstance(index, list):

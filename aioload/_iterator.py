@@ -5,6 +5,7 @@ start, ``len()``, the end of an epoch) is :class:`aioload._epoch.EpochIterator`'
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -168,11 +169,8 @@ def _timed_out(engine: Engine, timeout: float) -> DataLoaderTimeoutError:
 
 def _async_waker():
     """An event for the running async library and a thread-safe function that sets it."""
-    import sniffio
-
-    if sniffio.current_async_library() == "trio":
-        import trio
-
+    trio = _running_trio()
+    if trio is not None:
         event = trio.Event()
         token = trio.lowlevel.current_trio_token()
 
@@ -195,3 +193,19 @@ def _async_waker():
             pass  # the consumer's loop is closed
 
     return event, wake
+
+
+def _running_trio():
+    """The trio module where trio runs this task, else ``None``.
+
+    A program that runs trio has imported it, so ``sys.modules`` tells without importing
+    anything (trio is not a dependency); ``current_task`` raises outside trio's tasks: outside
+    ``trio.run``, and in an asyncio task beside trio in guest mode."""
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return None
+    try:
+        trio.lowlevel.current_task()  # set only while one of trio's tasks runs
+    except RuntimeError:
+        return None
+    return trio

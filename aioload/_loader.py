@@ -32,7 +32,7 @@ from aioload._dataset import fetches_batches, is_split
 from aioload._engine.engine import Engine
 from aioload._epoch import EpochContext
 from aioload._engine import executor as _executor
-from aioload._errors import LoaderClosedError
+from aioload._errors import LoaderClosedError, a_kind
 from aioload._engine import gpudecode as _gpudecode
 from aioload._inprocess import InProcessIterator
 from aioload._iterator import EngineIterator
@@ -355,7 +355,7 @@ class DataLoader(Generic[_T_co]):
         if mix is None:
             raise TypeError(
                 "set_weights changes the weights of an aioload.Mix drawn by the loader's own sampler; this "
-                f"loader's dataset is a {type(self.dataset).__name__}"
+                f"loader's dataset is {a_kind(type(self.dataset).__name__)}"
                 + (" with a sampler of its own" if callable(getattr(self.dataset, "mixed_order", None)) else "")
             )
         checked = mix.dataset.check_weights(weights)

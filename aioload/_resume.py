@@ -46,6 +46,8 @@ from dataclasses import dataclass
 
 import torch
 
+from aioload._errors import a_kind
+
 VERSION = 1
 MAX_DEPTH = 32  # a state needs 4 levels, plus the nesting of the sampler's indices
 _SEED_MAX = 2**63 - 1  # base seeds are drawn as non-negative int64, or derived as 63-bit ints
@@ -310,7 +312,7 @@ def _check_plain(state) -> None:
             if value != value or value in (float("inf"), float("-inf")):
                 raise _fail(path, f"is {value}: a state's numbers are finite")
         elif value is not None and not isinstance(value, (str, int)):
-            raise _fail(path, f"is a {type(value).__name__}: a state holds only dicts, lists, strings, "
+            raise _fail(path, f"is {a_kind(type(value).__name__)}: a state holds only dicts, lists, strings, "
                               "numbers, bools and None")
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,13 @@ from torchvision.transforms import v2
 import aioload
 
 CLASSES = 4
+
+
+def say(line: str) -> None:
+    """Print ``line`` in one write: the ranks share the terminal, and print() writes a line and
+    its newline apart, which unbuffered (python -u, PYTHONUNBUFFERED) glues two ranks' lines."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def arguments() -> argparse.Namespace:
@@ -60,8 +68,8 @@ def single_process_defaults() -> None:
         port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    print("not started by torchrun (no RANK in the environment): running as a single process, a world "
-          "of 1; for more ranks: torchrun --nproc-per-node N examples/ddp_train.py", flush=True)
+    say("not started by torchrun (no RANK in the environment): running as a single process, a world "
+        "of 1; for more ranks: torchrun --nproc-per-node N examples/ddp_train.py")
 
 
 def setup() -> tuple[int, int, torch.device]:
@@ -134,10 +142,10 @@ def main() -> None:
             loader.load_state_dict(ckpt["loaders"][rank])
             step, epoch = ckpt["step"], ckpt["epoch"]
             if rank == 0:
-                print(f"resumed from {args.resume}: step {step}, epoch {epoch}", flush=True)
+                say(f"resumed from {args.resume}: step {step}, epoch {epoch}")
         if rank == 0:
-            print(f"{world} rank{'' if world == 1 else 's'} on {device.type}, {len(ds)} images, "
-                  f"{len(loader)} batches per rank and epoch", flush=True)
+            say(f"{world} rank{'' if world == 1 else 's'} on {device.type}, {len(ds)} images, "
+                f"{len(loader)} batches per rank and epoch")
         while step < args.steps:
             loader.set_epoch(epoch)  # keeps a loaded mid-epoch state for this epoch
             for images, labels in loader:
@@ -147,8 +155,8 @@ def main() -> None:
                 loss.backward()
                 optimizer.step()
                 step += 1
-                print(f"rank {rank} epoch {epoch} step {step} batch {digest(images, labels)} "
-                      f"loss {loss.item():.4f}", flush=True)
+                say(f"rank {rank} epoch {epoch} step {step} batch {digest(images, labels)} "
+                    f"loss {loss.item():.4f}")
                 if step == args.steps:
                     break
             else:
@@ -156,8 +164,8 @@ def main() -> None:
         if args.checkpoint:
             save(args.checkpoint, model, optimizer, loader, step, epoch)
             if rank == 0:
-                print(f"saved step {step}, epoch {epoch} to {args.checkpoint}: --resume {args.checkpoint} "
-                      f"goes on from there", flush=True)
+                say(f"saved step {step}, epoch {epoch} to {args.checkpoint}: --resume {args.checkpoint} "
+                    f"goes on from there")
     dist.destroy_process_group()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import signal
@@ -95,6 +96,36 @@ def test_ddp_example_without_torchrun_runs_as_one_process_and_resumes(tmp_path):
     resumed = batches_of(rest)
     assert sorted(resumed) == [4, 5, 6]
     assert resumed == {step: digest for step, digest in batches_of(whole).items() if step > 3}
+
+
+WRITES = """
+import runpy, sys
+class Writes:  # records every write to stdout, one repr a line on stderr
+    def __init__(self, out):
+        self.out = out
+    def write(self, text):
+        sys.__stderr__.write(f"write {text!r}\\n")
+        return self.out.write(text)
+    def __getattr__(self, name):
+        return getattr(self.out, name)
+sys.stdout = Writes(sys.stdout)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_ddp_example_writes_each_line_whole(tmp_path):
+    # ranks share one terminal: a line written in two pieces (print writes the newline apart) is
+    # glued to another rank's where output is unbuffered (python -u, PYTHONUNBUFFERED)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(AIOLOAD_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    done = subprocess.run([sys.executable, "-c", WRITES, str(ROOT / "examples/ddp_train.py"), "--workers", "1",
+                           "--images", "32", "--steps", "2"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    writes = [ast.literal_eval(line[len("write "):]) for line in done.stderr.splitlines() if line.startswith("write ")]
+    assert len(writes) == len(done.stdout.splitlines()) >= 4, done.stdout
+    assert all(text.endswith("\n") and text.count("\n") == 1 for text in writes), writes
 
 
 def _children_of(pid: int) -> list[tuple[int, str]]:

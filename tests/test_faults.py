@@ -568,7 +568,10 @@ def test_unclosed_loader_warns_and_releases_everything_when_collected(make, befo
 
 
 CHILD = textwrap.dedent("""
-    import multiprocessing, os, sys, time
+    import multiprocessing, os, signal, sys, time
+    # Ctrl-C raises KeyboardInterrupt here even where the suite runs as a background job, whose
+    # children start with SIGINT ignored (and Python then leaves it ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {root_dir!r})
     import aioload
     from tests.faulty import FaultyDataset
@@ -604,16 +607,30 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def run_child(tmp_path, make, mode: str, workers: int = 2) -> tuple[subprocess.Popen, list[int]]:
+@pytest.fixture
+def child_programs():
+    """The child programs a test starts, each in a process group of its own with its workers:
+    whatever the test's end (a failed assertion, its timeout), none is left behind, since
+    later tests count processes."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=10)
+
+
+def run_child(tmp_path, make, child_programs, mode: str, workers: int = 2) -> tuple[subprocess.Popen, list[int]]:
     make()
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(root_dir=os.path.dirname(TESTS_DIR), root=str(tmp_path / "data")))
     proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
+    child_programs.append(proc)
     ready, _, _ = select.select([proc.stdout], [], [], 45)
     line = proc.stdout.readline() if ready else ""
     if not line:
-        # never leave the child's process group behind: later tests count processes
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=10)
@@ -634,10 +651,10 @@ def finished(proc: subprocess.Popen, timeout: float = 15.0) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("mode", ["with", "waiting"])
-def test_ctrl_c_stops_workers_and_exits(tmp_path, make, mode):
+def test_ctrl_c_stops_workers_and_exits(tmp_path, make, child_programs, mode):
     """Ctrl-C goes to the whole foreground process group, workers included, as a terminal does;
     in "waiting" the consumer is blocked on a batch whose worker is stuck."""
-    proc, workers = run_child(tmp_path, make, mode)
+    proc, workers = run_child(tmp_path, make, child_programs, mode)
     os.killpg(proc.pid, signal.SIGINT)
     code, err = finished(proc)
     assert code != 0
@@ -646,8 +663,8 @@ def test_ctrl_c_stops_workers_and_exits(tmp_path, make, mode):
     wait_until(lambda: all(gone(pid) for pid in workers), 10, "the workers to exit after Ctrl-C")
 
 
-def test_interpreter_exit_while_iterating_stops_workers(tmp_path, make):
-    proc, workers = run_child(tmp_path, make, "exit")
+def test_interpreter_exit_while_iterating_stops_workers(tmp_path, make, child_programs):
+    proc, workers = run_child(tmp_path, make, child_programs, "exit")
     code, err = finished(proc)
     assert (code, err) == (0, "")
     wait_until(lambda: all(gone(pid) for pid in workers), 10, "the workers to exit with the interpreter")
@@ -682,10 +699,10 @@ def test_a_loaders_workers_hold_no_socket_of_another_loader(make, before):
 
 
 @pytest.mark.parametrize("mode, count", [("with", 2), ("two", 4)])
-def test_workers_exit_when_the_loader_process_is_killed(tmp_path, make, mode, count):
+def test_workers_exit_when_the_loader_process_is_killed(tmp_path, make, child_programs, mode, count):
     """With two loaders, the second pool's workers were forked holding the first pool's
     sockets: they must not keep the first pool's workers from seeing the end of stream."""
-    proc, workers = run_child(tmp_path, make, mode, count)
+    proc, workers = run_child(tmp_path, make, child_programs, mode, count)
     proc.kill()
     finished(proc)
     wait_until(lambda: all(gone(pid) for pid in workers), 10, "orphaned workers to exit")

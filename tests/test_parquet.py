@@ -200,7 +200,7 @@ def test_bad_arguments_are_refused(files):
 def test_hf_urls_without_huggingface_hub_name_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(ImportError, match="^hf:// URLs are read through huggingface_hub's filesystem: pip install "
-                                          "huggingface_hub$"):
+                                          r'"aioload\[hf\]"$'):
         aioload.Parquet("hf://datasets/someone/something/train.parquet")
     with pytest.raises(ImportError, match="^hf:// URLs are read through huggingface_hub's filesystem"):
         aioload.Parquet("hf://datasets/someone/something@~parquet/default/train/*.parquet")  # before listing

@@ -433,7 +433,7 @@ def test_shard_writer_refuses_what_readers_would_misread(tmp_path):
     with aioload.ShardWriter(str(tmp_path / "y-%d.tar")) as w:
         with pytest.raises(ValueError, match=r"^sample 'a\.b' cannot be stored with the member 'jpg': readers take"):
             w.write({"__key__": "a.b", "jpg": b"1"})
-        with pytest.raises(TypeError, match=r"^sample 'a': member 'jpg' is a object; give bytes"):
+        with pytest.raises(TypeError, match=r"^sample 'a': member 'jpg' is an object; give bytes"):
             w.write({"__key__": "a", "jpg": object()})
         with pytest.raises(ValueError, match=r"^a sample is a dict with a '__key__' entry"):
             w.write({"jpg": b"1"})

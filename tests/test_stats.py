@@ -171,7 +171,7 @@ def test_verdict_decode_bound_oversubscribed_and_in_process():
     # figures without CPU counters (cpu_window_s=0): no claim about idle CPUs or who held them;
     # tests/test_verdict.py covers the verdict with measured counters
     figures = dict(batches=10, samples=40, elapsed_s=2.0, first_batch_s=0.2, wait_s=0.9, reads=40, decoded=40,
-                   decode_s=3.8, num_workers=2, io_concurrency=64)
+                   decode_s=3.8, num_workers=2, io_concurrency=64, first_batch_samples=4)
     s = LoaderStats(**figures, decode_cpu_s=3.7)
     assert s.verdict_category == "decode-bound"
     assert s.verdict == ("data-bound 50% of the time: decode is saturated (2 workers 95% busy, on a CPU 97%), "

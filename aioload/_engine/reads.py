@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from aioload._engine.budget import where
 from aioload._engine.spec import Ready, Reads
-from aioload._errors import BlockingReadWarning
+from aioload._errors import BlockingReadWarning, a_kind
 from aioload._reads import BatchReads, FailedRead, StallMeter, Watch, stall_message, unpicklable
 
 
@@ -83,9 +83,9 @@ class ReadStage:
         return items
 
     def _unpicklable(self, index, result, part, error: Exception) -> TypeError:
-        what = f"a {_type_name(result)}"
+        what = a_kind(_type_name(result))
         if part is not result:
-            what += f" holding a {_type_name(part)}"
+            what += f" holding {a_kind(_type_name(part))}"
         exc = TypeError(
             f"dataset.read({index!r}) returned {what}, which cannot be pickled to reach a worker "
             f"process ({type(error).__name__}: {error}). read() runs in the loader's process and "

@@ -24,7 +24,7 @@ import torch
 from aioload._dataset import NOT_READY, Dataset
 from aioload._media import clips as _clips
 from aioload._media import decoders as _decoders
-from aioload._media.video import labels_of
+from aioload._media.source import labels_of
 from aioload._storage import scope as _scope
 from aioload._storage.storage import Storage, locate
 

@@ -32,6 +32,8 @@ import io
 import os
 from dataclasses import dataclass
 
+import numpy as np
+
 from aioload._media import decoders as _decoders
 from aioload._media.probe import HEAD_BYTES, MAX_INDEX_BYTES, NotIndexed, TrackIndex, VideoInfo, box_at, video_tracks
 
@@ -281,3 +283,15 @@ async def read_range_of(storage, url: str, probe: RemoteIndex, frames: list[int]
     start, end = probe.track.span(frames)
     data = await storage.read_range(url, start, end - start)
     return probe.with_range(start, data)
+
+
+def labels_of(labels, count: int) -> np.ndarray | None:
+    """``labels`` (one class index per file of a dataset of ``count`` files) checked, as an array."""
+    if labels is None:
+        return None
+    targets = np.asarray(labels)
+    if targets.ndim != 1 or len(targets) != count:
+        raise ValueError(f"labels must hold one label per path: got {targets.shape} labels for {count} paths")
+    if targets.dtype.kind not in "biuf":
+        raise TypeError(f"labels must be numbers (class indices), got dtype {targets.dtype}")
+    return targets

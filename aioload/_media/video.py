@@ -265,17 +265,6 @@ def _checked_metadata(metadata, videos: int) -> np.ndarray:
     return info
 
 
-def labels_of(labels, count: int) -> np.ndarray | None:
-    if labels is None:
-        return None
-    targets = np.asarray(labels)
-    if targets.ndim != 1 or len(targets) != count:
-        raise ValueError(f"labels must hold one label per path: got {targets.shape} labels for {count} paths")
-    if targets.dtype.kind not in "biuf":
-        raise TypeError(f"labels must be numbers (class indices), got dtype {targets.dtype}")
-    return targets
-
-
 class VideoFiles(_Videos):
     """Clips of the videos at a list of local paths or URLs (``http(s)://``, ``s3://``, any fsspec URL).
 
@@ -312,7 +301,7 @@ class VideoFiles(_Videos):
             raise TypeError("paths_or_urls must be a sequence of paths or URLs, not a single one: "
                             "wrap it in a list, or use aioload.VideoFolder for a folder")
         locations = [os.fspath(p) for p in paths_or_urls]
-        self._setup(locations, labels_of(labels, len(locations)), frames_per_clip, clips, clips_per_video, frame_step,
+        self._setup(locations, _source.labels_of(labels, len(locations)), frames_per_clip, clips, clips_per_video, frame_step,
                     frame_rate, step_between_clips, transform, target_transform, storage, seek_mode, metadata,
                     whole_file_bytes)
 

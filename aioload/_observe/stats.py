@@ -94,6 +94,19 @@ def _steady(s) -> float:
     return s.elapsed_s - s.first_batch_s
 
 
+def _worker_window(s) -> float:
+    """Seconds each worker could have spent decoding: the steady state after each epoch's first
+    batch, plus the decoding of those first batches; not the start-up before them (starting the
+    workers, filling the pipeline), which would read as idle decode in a short run."""
+    first = s.first_batch_samples * s.decode_s / s.decoded if s.decoded else 0.0
+    return min(s.elapsed_s, _steady(s) + first)
+
+
+def _worker_share(seconds: float, s) -> float:
+    window = _worker_window(s) * max(1, s.num_workers)
+    return min(1.0, seconds / window) if window > 0 else 0.0
+
+
 def _per_window(value: float, s) -> float:
     return value / s.cpu_window_s if s.cpu_window_s > 0 else 0.0
 
@@ -124,7 +137,8 @@ class LoaderStats:
         COUNTER, "time after each epoch's first batch spent inside `__next__`/`__anext__`", "s", "recorder"))
     reads: int = field(default=0, metadata=_stat(
         COUNTER, "`Dataset.read` calls finished (on the event loop, or in the workers); a local file that a "
-                 "worker opens itself (`read_in=\"auto\"`) counts as a read of 0 bytes", "reads", "recorder"))
+                 "worker opens itself (`read_in=\"auto\"`) counts as a read of 0 bytes on the event loop, and "
+                 "not at all where the workers read (then `str()` says `none`)", "reads", "recorder"))
     bytes_read: int = field(default=0, metadata=_stat(
         COUNTER, "the bytes those reads returned (`bytes`, or the first item of a tuple), and those that arrived for "
                  "them and were dropped (the start of an object whose server ignored `Range`)", "bytes", "recorder"))
@@ -253,15 +267,14 @@ class LoaderStats:
         DERIVED, "`read_s / elapsed_s` (Little's law)", "reads",
         formula=lambda s: s.read_s / s.elapsed_s if s.elapsed_s > 0 else 0.0))
     decode_busy: float = field(init=False, metadata=_stat(
-        DERIVED, "`decode_s / (elapsed_s * num_workers)`: the share of the workers' time spent decoding "
-                 "(start-up included in `elapsed_s`, so short runs read low)", "",
-        formula=lambda s: (min(1.0, s.decode_s / (s.elapsed_s * max(1, s.num_workers)))
-                           if s.elapsed_s > 0 else 0.0)))
+        DERIVED, "`decode_s / (window * num_workers)`: the share of the workers' time spent decoding, where "
+                 "`window` is `elapsed_s - first_batch_s` plus the decoding of the first batches "
+                 "(`first_batch_samples * decode_s / decoded`): start-up is not idle decode", "",
+        formula=lambda s: _worker_share(s.decode_s, s)))
     read_wait_share: float = field(init=False, metadata=_stat(
-        DERIVED, "`read_wait_s / (elapsed_s * num_workers)`: the share of the workers' time their decoding "
-                 "stood waiting for reads", "",
-        formula=lambda s: (min(1.0, s.read_wait_s / (s.elapsed_s * max(1, s.num_workers)))
-                           if s.elapsed_s > 0 else 0.0)))
+        DERIVED, "`read_wait_s / (window * num_workers)`: the share of the workers' time their decoding "
+                 "stood waiting for reads (`window` as for `decode_busy`)", "",
+        formula=lambda s: _worker_share(s.read_wait_s, s)))
     decode_cpu_share: float = field(init=False, metadata=_stat(
         DERIVED, "`decode_cpu_s / decode_s`: near 100% for CPU-bound decoding on free cores; low when workers "
                  "wait for a CPU or on I/O", "",
@@ -308,7 +321,7 @@ class LoaderStats:
             return "no CPU counters measured"
         wait = (f", {self.worker_cpu_wait_s / self.cpu_window_s:.2f} workers waiting for a CPU on average"
                 if self.cpu_wait_measured else "")
-        return (f"over {self.cpu_window_s:.1f} s: this process and its {self.num_workers} workers used "
+        return (f"over {self.cpu_window_s:.1f} s: this process and its {_workers(self.num_workers)} used "
                 f"{self.program_cpus:.2f} of {self.cpus} CPUs, other programs {self.others_cpus:.2f}, "
                 f"idle {self.idle_cpus:.2f}{wait}")
 
@@ -457,13 +470,18 @@ def _executor_bound(s: LoaderStats) -> tuple[str, str]:
 
 
 def _decode_bound(s: LoaderStats) -> str:
-    text = f"decode is saturated ({s.num_workers} workers {s.decode_busy:.0%} busy, on a CPU {s.decode_cpu_share:.0%})"
+    text = f"decode is saturated ({_workers(s.num_workers)} {s.decode_busy:.0%} busy, on a CPU {s.decode_cpu_share:.0%})"
     if s.cpu_window_s <= 0:
         return text + ", raise num_workers if the machine has idle CPUs"
     if s.idle_cpus >= SPARE_CPUS:
-        return text + f" and {s.idle_cpus:.2f} CPUs were idle: raise num_workers ({s.cpu_evidence})"
-    return text + (f" and no CPU was idle: more workers would not help; make decode cheaper or use more "
-                   f"CPUs ({s.cpu_evidence})")
+        return text + f" and {_cpus(s.idle_cpus)} idle: raise num_workers ({s.cpu_evidence})"
+    return text + (f" and {_cpus(s.idle_cpus)} idle, too few for another worker: more workers would not help; "
+                   f"make decode cheaper or use more CPUs ({s.cpu_evidence})")
+
+
+def _cpus(n: float) -> str:
+    """``n`` CPUs with its verb, as the figures print it: ``0.21 CPUs were``, ``no CPU was``."""
+    return "no CPU was" if f"{n:.2f}" == "0.00" else f"{n:.2f} CPUs were"
 
 
 def _off_cpu(s: LoaderStats) -> tuple[str, str]:
@@ -480,7 +498,7 @@ def _off_cpu(s: LoaderStats) -> tuple[str, str]:
         evidence = f"it waited for a CPU {min(1.0, waited):.0%} of its off-CPU time"
     else:  # no scheduler figures: a machine without an idle CPU is the evidence of waiting
         waiting = s.idle_cpus < SPARE_CPUS / 2
-        evidence = f"{s.idle_cpus:.2f} CPUs were idle"
+        evidence = f"{_cpus(s.idle_cpus)} idle"
     if not waiting:
         if not s.reads:  # a plain dataset: __getitem__ also does the I/O
             fix = "give the dataset an async read() (aioload.Dataset) for its I/O"
@@ -524,12 +542,8 @@ def format_stats(stats: LoaderStats) -> str:
                        f"batches, {s.epochs} epoch{'' if s.epochs == 1 else 's'}, {s.elapsed_s:.2f} s)"),
         ("waiting", f"{s.wait_fraction:.1%} of the time after the first batch "
                     f"({s.wait_s:.2f} s; first batches took {s.first_batch_s:.2f} s)"),
-        ("reads", f"{s.reads} ({_bytes(s.bytes_read)} on the event loop), p50 {s.read_p50_ms:.2f} ms, "
-                  f"p99 {s.read_p99_ms:.2f} ms, {s.mean_reads_in_flight:.1f} in flight on average, "
-                  f"{s.reads_in_flight} now, limit {s.io_concurrency}{' (auto)' if s.io_auto else ''}"
-                  + (f"; the workers' decoding waited for reads {s.read_wait_share:.0%} of the time, "
-                     f"{s.read_limited_s / s.read_wait_s:.0%} of that at the limit" if s.read_wait_s > 0 else "")),
-        ("decode", f"{s.decode_ms_per_sample:.3f} ms/sample, {s.num_workers} workers {s.decode_busy:.0%} busy, "
+        ("reads", _reads_row(s)),
+        ("decode", f"{s.decode_ms_per_sample:.3f} ms/sample, {_workers(s.num_workers)} {s.decode_busy:.0%} busy, "
                    f"on a CPU {s.decode_cpu_share:.0%} of that time"),
         *([("shards", _shard_row(s))] if s.shard_mode else []),
         ("queue", f"{s.queue_occupancy} batches ready, queue_depth {s.queue_depth}"),
@@ -544,6 +558,20 @@ def format_stats(stats: LoaderStats) -> str:
     ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {text}" for label, text in rows)
+
+
+def _reads_row(s: LoaderStats) -> str:
+    if not s.reads:  # not a row of zeros: a local folder's workers open their files, a plain dataset has no read()
+        return "none: each sample was loaded by the worker that decoded it (a local file it opened itself, or __getitem__)"
+    return (f"{s.reads} ({_bytes(s.bytes_read)} on the event loop), p50 {s.read_p50_ms:.2f} ms, "
+            f"p99 {s.read_p99_ms:.2f} ms, {s.mean_reads_in_flight:.1f} in flight on average, "
+            f"{s.reads_in_flight} now, limit {s.io_concurrency}{' (auto)' if s.io_auto else ''}"
+            + (f"; the workers' decoding waited for reads {s.read_wait_share:.0%} of the time, "
+               f"{s.read_limited_s / s.read_wait_s:.0%} of that at the limit" if s.read_wait_s > 0 else ""))
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker{'' if n == 1 else 's'}"
 
 
 def _shard_row(s: LoaderStats) -> str:

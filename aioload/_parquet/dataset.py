@@ -70,7 +70,7 @@ def _file_list(urls, options: Mapping[str, Any]) -> list[str]:
             import huggingface_hub  # noqa: F401 - fsspec's hf:// filesystem is huggingface_hub's
         except ImportError as exc:
             raise ImportError("hf:// URLs are read through huggingface_hub's filesystem: "
-                              "pip install huggingface_hub") from exc
+                              'pip install "aioload[hf]"') from exc
     out: list[str] = []
     for url in names:
         kind, where = locate(url)

@@ -22,6 +22,7 @@ import os
 import tarfile
 from typing import Any, Mapping
 
+from aioload._errors import a_kind
 from aioload._shards import tar
 from aioload._shards.index import SIDECAR, ShardIndex
 from aioload._storage.storage import locate
@@ -45,7 +46,7 @@ def _encoded(key: str, ext: str, value: Any) -> bytes:
         array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
         np.save(buf, array, allow_pickle=False)
         return buf.getvalue()
-    raise TypeError(f"sample {key!r}: member {ext!r} is a {type(value).__name__}; give bytes (an encoded image, "
+    raise TypeError(f"sample {key!r}: member {ext!r} is {a_kind(type(value).__name__)}; give bytes (an encoded image, "
                     "say), a str, a number, a dict or list (written as JSON) or an array (written as .npy)")
 
 

@@ -21,7 +21,7 @@ def _filesystem_class(protocol: str):
         import fsspec
     except ImportError:
         raise ImportError(f"reading {protocol}:// URLs needs fsspec and its backend: "
-                          f"pip install fsspec (and s3fs, gcsfs, adlfs, ... for object stores)") from None
+                          f"pip install 'aioload[fsspec]' (and s3fs, gcsfs, adlfs, ... for object stores)") from None
     try:
         return fsspec.get_filesystem_class(protocol)
     except ImportError as exc:

@@ -12,6 +12,7 @@ import os
 import statistics
 import sys
 import textwrap
+import time
 from dataclasses import dataclass, field
 
 DESCRIPTION = ("The aioload command line: measure aioload against torch's DataLoader, make data to try a\n"
@@ -107,7 +108,7 @@ def _run_scenarios(args, root: str) -> list[Scenario] | int:
         return 2
     print(f"aioload bench: {n} images in {root}, batch {args.batch_size}, {args.workers} workers, "
           f"io_concurrency {args.io_concurrency}, queue_depth {args.queue_depth}, "
-          f"training step {args.step_ms:g} ms, {args.rounds} interleaved rounds per scenario", flush=True)
+          f"training step {args.step_ms:g} ms, {_plural(args.rounds, 'interleaved round')} per scenario", flush=True)
     done = []
     for key in args.scenarios:
         title = SCENARIOS[key].format(latency=args.latency_ms)
@@ -200,7 +201,7 @@ def table(scenarios: list[Scenario], step: bool = False) -> str:
 
 
 def _workers(n: int) -> str:
-    return f"{n} worker{'' if n == 1 else 's'}"
+    return _plural(n, "worker")
 
 
 def ceiling_note(local: Scenario, highest: float) -> str:
@@ -245,6 +246,15 @@ def next_step(args: argparse.Namespace) -> str:
     return "next: put aioload.DataLoader into your training loop (README.md: the one-line change)"
 
 
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} m {seconds} s" if minutes else f"{seconds} s"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def bench(args: argparse.Namespace) -> int:
     from aioload._tools.bench import environment
 
@@ -255,6 +265,8 @@ def bench(args: argparse.Namespace) -> int:
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
+    run, started = environment(), time.monotonic()  # its time stamp: the start
+    print(f"run: {run}", flush=True)
     root = _data(args)
     scenarios = _run_scenarios(args, root)
     if isinstance(scenarios, int):
@@ -271,7 +283,7 @@ def bench(args: argparse.Namespace) -> int:
 
         plot(args.plot, scenarios)
         print(f"\nplot: {args.plot}")
-    print(f"\nrun: {environment()}")
+    print(f"\nrun: {run}, took {_duration(time.monotonic() - started)}")
     print(f"command: aioload bench {' '.join(sys.argv[2:])}".rstrip())
     print()
     print(summary(scenarios, args))
@@ -280,11 +292,8 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def make_data_command(args: argparse.Namespace) -> int:
-    from aioload._tools.synth import is_complete, make_data
+    from aioload._tools.synth import made_with, make_data
 
-    if is_complete(args.dir):
-        print(f"{args.dir} already holds a complete generated folder: nothing to do")
-        return 0
     if args.format == "parquet":
         from aioload._tools.synth import make_parquet
 
@@ -292,9 +301,14 @@ def make_data_command(args: argparse.Namespace) -> int:
                             processes=os.cpu_count() or 1)
         print(f"{args.images} JPEGs in {args.classes} classes as Parquet files under {root}")
         return 0
+    before = made_with(args.dir)
+    if before == {"images": args.images, "classes": args.classes, "seed": args.seed}:
+        print(f"{args.dir} already holds these {args.images} generated JPEGs: nothing to do")
+        return 0
     root = make_data(args.dir, args.images, classes=args.classes, seed=args.seed, quiet=False,
                      processes=os.cpu_count() or 1)
-    print(f"{args.images} JPEGs in {args.classes} class folders under {root}")
+    was = f" (it held {before['images']})" if before is not None else ""
+    print(f"{args.images} JPEGs in {args.classes} class folders under {root}{was}")
     return 0
 
 
@@ -312,16 +326,61 @@ def _storage_options(text: str | None) -> dict:
     return options
 
 
+def _shard_files(dest: str, options: dict) -> tuple[list[str], list[str]]:
+    """What the output folder ``dest`` holds: ``(every entry, the shards and sidecars among them)``."""
+    from aioload._shards.index import SIDECAR
+    from aioload._storage.storage import locate
+
+    kind, where = locate(dest)
+    if kind == "http":
+        return [], []  # the writer refuses HTTP with its own message
+    if kind == "local":
+        if not os.path.isdir(where):
+            return [], []
+        entries = [os.path.join(where, name) for name in sorted(os.listdir(where))]
+    else:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(dest, **options)
+        try:
+            entries = sorted(fs.ls(path, detail=False))
+        except FileNotFoundError:
+            return [], []
+    return entries, [e for e in entries if e.endswith((".tar", ".tar" + SIDECAR))]
+
+
+def _remove(paths: list[str], dest: str, options: dict) -> None:
+    from aioload._storage.storage import locate
+
+    if locate(dest)[0] == "local":
+        for path in paths:
+            os.remove(path)
+        return
+    import fsspec
+
+    fsspec.core.url_to_fs(dest, **options)[0].rm(paths)
+
+
 def make_shards_command(args: argparse.Namespace) -> int:
     from aioload._shards.writer import convert_folder, folder_keys, folder_samples
+    from aioload._storage.storage import locate
 
     options = _storage_options(args.storage_options)
+    kind, src = locate(args.src)
+    if kind == "local" and not os.path.isdir(src):
+        raise ValueError(f"{args.src} is not a folder: SRC is a class-per-folder tree (SRC/CLASS/IMAGE.jpg, as "
+                         "ImageFolder reads it)")
+    entries, shards = _shard_files(args.dest, options)
+    if entries and not args.overwrite:
+        raise ValueError(f"{args.dest} is not empty ({len(entries)} entries, such as "
+                         f"{os.path.basename(entries[0].rstrip('/'))}): shards written beside old ones would be read "
+                         "with them; write into an empty folder, or pass --overwrite to remove the shards there first")
     samples = folder_samples(args.src, options)[1]
-    try:
-        folder_keys(args.src, samples)
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    folder_keys(args.src, samples)  # two files of one sample key: a ValueError naming both, before anything is written
     total = len(samples)
+    if shards:
+        _remove(shards, args.dest, options)
+        print(f"removed {len(shards)} old shard files (shards and their index sidecars) from {args.dest}")
     bar = None
     if sys.stderr.isatty():  # a bar on a terminal; a log or a pipe gets the summary alone
         from aioload._observe.monitor import tqdm_class
@@ -385,8 +444,11 @@ class _TopHelp(argparse.RawDescriptionHelpFormatter):
 
 
 def parser() -> argparse.ArgumentParser:
+    from aioload import __version__
+
     help_fmt = argparse.RawDescriptionHelpFormatter
     top = argparse.ArgumentParser(prog="aioload", description=DESCRIPTION, epilog=EPILOG, formatter_class=_TopHelp)
+    top.add_argument("--version", action="version", version=f"aioload {__version__}")
     # the commands are listed once, by argparse, from each add_parser's help
     sub = top.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     b = sub.add_parser(
@@ -453,6 +515,9 @@ def parser() -> argparse.ArgumentParser:
                    help="member bytes per shard before a new one starts (default: %(default)g)")
     s.add_argument("--shuffle", type=int, metavar="SEED", default=None,
                    help="shuffle the samples with this seed before writing (default: class by class)")
+    s.add_argument("--overwrite", action="store_true",
+                   help="write into a DEST that is not empty, removing the shards (.tar) and index sidecars "
+                        "there first; without it a DEST that holds anything is refused")
     s.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DEST, as a JSON object")
     x = sub.add_parser("index", help="write index sidecars for WebDataset tar shards", epilog=EPILOG,
                        formatter_class=help_fmt,
@@ -484,12 +549,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in positive:
         if getattr(args, name) != "auto" and getattr(args, name) < 1:
             top.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.command == "make-data":
-        return make_data_command(args)
-    if args.command == "make-shards":
-        return make_shards_command(args)
-    if args.command == "index":
-        return index_command(args)
+    commands = {"make-data": make_data_command, "make-shards": make_shards_command, "index": index_command}
+    if args.command in commands:
+        try:
+            return commands[args.command](args)
+        except (OSError, ValueError, ImportError) as exc:
+            # a path missing or unreadable, an argument or a file the library refuses, an extra not
+            # installed: the message names it, and a traceback would only bury it
+            print(f"error: aioload {args.command}: {exc}", file=sys.stderr)
+            return 1
     for name in ("latency_ms", "step_ms"):
         if getattr(args, name) < 0:
             top.error(f"--{name.replace('_', '-')} must be >= 0")

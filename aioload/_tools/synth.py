@@ -12,6 +12,7 @@ arguments always give the same files. Nothing is downloaded.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -46,6 +47,10 @@ def _image(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
     return np.clip(base + detail + grain, 0, 255).astype(np.uint8)
 
 
+def _name(classes: int, i: int) -> str:
+    return f"class_{i % classes:03d}/img_{i:06d}.jpg"
+
+
 def _jpeg(seed: int, i: int, out) -> None:
     """Image ``i``'s JPEG, written to ``out`` (a path or a file object)."""
     from PIL import Image
@@ -58,7 +63,7 @@ def _jpeg(seed: int, i: int, out) -> None:
 
 
 def _write(root: Path, classes: int, seed: int, i: int) -> None:
-    path = root / f"class_{i % classes:03d}" / f"img_{i:06d}.jpg"
+    path = root / _name(classes, i)
     if path.exists():
         return
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -91,9 +96,24 @@ def default_root(images: int = DEFAULT_IMAGES, classes: int = DEFAULT_CLASSES, s
     return cache_dir() / f"imagenet-like-{images}-{classes}-s{seed}"
 
 
+_ASKED = ("images", "classes", "seed")
+"""What a generated folder's ``.complete`` marker records (JSON): the arguments that made it."""
+
+
+def made_with(root: str | os.PathLike) -> dict[str, int] | None:
+    """What a folder that :func:`make_data` finished was made with (``images``, ``classes``,
+    ``seed``, from its ``.complete`` marker), or ``None``: unfinished, or marked by an older
+    aioload whose marker says nothing."""
+    try:
+        made = json.loads((Path(root) / ".complete").read_text())
+    except (OSError, ValueError):
+        return None
+    return made if isinstance(made, dict) and set(made) == set(_ASKED) else None
+
+
 def is_complete(root: str | os.PathLike) -> bool:
     """``root`` holds a folder that :func:`make_data` finished (it is reused as it is)."""
-    return (Path(root) / ".complete").exists()
+    return made_with(root) is not None
 
 
 def make_data(root: str | os.PathLike | None = None, n: int = DEFAULT_IMAGES, *,
@@ -107,8 +127,10 @@ def make_data(root: str | os.PathLike | None = None, n: int = DEFAULT_IMAGES, *,
     downloaded; the files depend only on ``(seed, i)``, whatever ``processes`` makes them.
 
     ``root=None`` puts the folder in the data cache: ``$AIOLOAD_CACHE`` if set, else
-    ``~/.cache/aioload``. A folder already complete is reused as it is (nothing is written);
-    a partial one is completed. ``processes`` writes with that many processes;
+    ``~/.cache/aioload``. A folder already complete with these arguments is reused as it is
+    (nothing is written); a partial one is completed; one made with another ``n`` is grown or
+    cut to ``n`` (image ``i`` is the same file either way); one made with other ``classes`` or
+    ``seed`` is refused (``ValueError``). ``processes`` writes with that many processes;
     ``quiet=False`` prints progress on stderr. Returns the folder.
     """
     for name, value in (("n", n), ("classes", classes), ("processes", processes)):
@@ -123,13 +145,24 @@ def make_image_folder(root: str | os.PathLike | None = None, images: int = DEFAU
     """Create (once) ``images`` JPEGs in ``classes`` class folders under ``root`` (the
     implementation of :func:`make_data`, without its argument checks).
 
-    Returns the folder. An existing complete folder is reused; a partial one is completed.
+    Returns the folder. An existing complete folder is reused; a partial one is completed; one
+    of another size is grown or cut (see :func:`make_data`).
     Image ``i`` depends only on ``(seed, i)``, so ``processes > 1`` makes the same files.
     """
     root = Path(root) if root is not None else default_root(images, classes, seed)
-    marker = root / ".complete"
-    if marker.exists():
+    asked = dict(zip(_ASKED, (images, classes, seed)))
+    made = made_with(root)
+    if made == asked:
         return root
+    if made is not None and (made["classes"], made["seed"]) != (classes, seed):
+        raise ValueError(f"{root} holds {made['images']} generated JPEGs made with classes={made['classes']}, "
+                         f"seed={made['seed']}, not classes={classes}, seed={seed}: make these in another "
+                         f"folder, or delete {root} first")
+    marker = root / ".complete"
+    marker.unlink(missing_ok=True)  # unfinished until every image below is written
+    if made is not None:
+        for i in range(images, made["images"]):  # fewer asked for than made: remove the rest
+            (root / _name(classes, i)).unlink(missing_ok=True)
     for c in range(classes):
         (root / f"class_{c:03d}").mkdir(parents=True, exist_ok=True)
     step = 256
@@ -145,7 +178,7 @@ def make_image_folder(root: str | os.PathLike | None = None, images: int = DEFAU
         for args in ranges:
             _write_range(args)
             report(args[4])
-    marker.touch()
+    marker.write_text(json.dumps(asked))
     return root
 
 

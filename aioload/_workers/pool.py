@@ -13,7 +13,9 @@ import heapq
 import itertools
 import multiprocessing as mp
 import os
+import pickle
 import socket
+import sys
 import time
 import weakref
 
@@ -80,7 +82,14 @@ class WorkerPool:
                     args=(wid, cfg, child, cchild, inherited),
                     name=f"aioload-worker-{wid}",
                 )
-                proc.start()
+                try:
+                    proc.start()  # spawn and forkserver pickle cfg here, fork does not
+                except BaseException as exc:
+                    for sock in (parent, child, cparent, cchild):
+                        sock.close()
+                    if isinstance(exc, (pickle.PicklingError, AttributeError, TypeError)):
+                        raise _unsendable(cfg, context, exc) or exc
+                    raise
                 child.close()
                 cchild.close()
                 send_fd(cparent, self.progress_memory.fd, SLOT_HEADER.pack(PROGRESS_ID, self.progress_memory.size))
@@ -149,6 +158,43 @@ class WorkerPool:
         self.broken = None
         self.progress.release()
         self.progress_memory.close()
+
+
+_SENT = (("collate_fn", "a function defined at the top level of a module (not a lambda, nor a function "
+                         "defined inside another)"),
+         ("worker_init_fn", "a function defined at the top level of a module (not a lambda, nor a function "
+                            "defined inside another)"),
+         ("dataset", "an instance of a class defined at the top level of a module, holding no open file, lock, "
+                     "client or lambda (open those in the worker, on first use)"))
+
+
+def _unsendable(cfg: WorkerConfig, context, exc: Exception) -> TypeError | None:
+    """The error naming what of ``cfg`` a ``spawn`` or ``forkserver`` worker cannot be sent,
+    and the fix; ``None`` where all of it pickles (``exc`` is then not about it)."""
+    method = context.get_start_method()
+    for name, fix in _SENT:
+        try:
+            pickle.dumps(getattr(cfg, name))
+        except Exception as failed:  # noqa: BLE001 - any failure to pickle names the culprit
+            error = TypeError(
+                f"{name} {getattr(cfg, name)!r} cannot be pickled, and the {method!r} start method sends it to "
+                f"every worker ({type(failed).__name__}: {failed}): make it {fix}, or use "
+                f"multiprocessing_context='fork' where the platform has it")
+            error.__cause__ = exc
+            return error
+    return None
+
+
+def _not_started(context) -> str:
+    """Why a worker may have died before it started, for the crash error."""
+    method = context.get_start_method()
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if method == "fork" or main is None:
+        return "; its own error, if it printed one, is above"
+    return (f". With the {method!r} start method each worker first runs the main module ({main}) again, "
+            "its top-level code included: where that code iterates a DataLoader, the worker tries to start "
+            "workers of its own and fails (its error is printed above). Put the program's code under "
+            "'if __name__ == \"__main__\":', as torch's DataLoader also requires with this start method")
 
 
 def _join_all(procs, timeout: float) -> None:
@@ -377,10 +423,13 @@ class PoolSession:
         proc = self.pool.procs[wid]
         await asyncio.to_thread(proc.join, 1.0)
         indices = [i for r in self._inflight[wid].values() for i in r.indices]
+        if self.pool.ready[wid] or indices:
+            what = (f"while working on dataset indices {indices}. If it ran out of memory, lower "
+                    f"num_workers or batch_size; if it crashed in native code, check those samples.")
+        else:
+            what = f"before it started{_not_started(self.pool.context)}."
         exc = WorkerCrashedError(
-            f"{crash_message(proc.pid, proc.exitcode)} aioload worker {wid} {describe_exit(proc.exitcode)} "
-            f"while working on dataset indices {indices}. If it ran out of memory, lower "
-            f"num_workers or batch_size; if it crashed in native code, check those samples.",
+            f"{crash_message(proc.pid, proc.exitcode)} aioload worker {wid} {describe_exit(proc.exitcode)} {what}",
             worker_id=wid,
             pid=proc.pid,
             exitcode=proc.exitcode,
