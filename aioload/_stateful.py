@@ -36,6 +36,9 @@ import warnings
 
 from aioload._resume import ResumeError, ResumeWarning
 from aioload._workers.messages import CopyNote, ResumeCopy
+from aioload._workers.state import is_stateful
+
+__all__ = ["Copies", "FastForwardWarning", "check", "initial_entry", "is_stateful", "resume_plan"]
 
 
 class FastForwardWarning(ResumeWarning):
@@ -113,6 +116,14 @@ class Copies:
             workers[f"worker_{wid}"] = record
         return {"num_workers": self.num_workers, "world_size": self.world_size, "next_worker": 0 if self.last is None else (self.last + 1) % n,
                 "taken": list(self.taken), "workers": workers}
+
+
+def initial_entry(dataset_state, num_workers: int, world_size: int) -> dict:
+    """The entry of an epoch not started yet: every copy starts from the dataset's state."""
+    n = max(1, num_workers)
+    workers = {f"worker_{w}": dict(bare(w, False), dataset_state=dataset_state) for w in range(n)}
+    return {"num_workers": num_workers, "world_size": world_size, "next_worker": 0, "taken": [0] * n,
+            "workers": workers}
 
 
 def resume_plan(entry: dict | None, mid_epoch: bool, num_workers: int, epoch: int, world_size: int = 1):

@@ -108,3 +108,21 @@ class CountingSampler(torch.utils.data.Sampler):
 
     def load_state_dict(self, state: dict) -> None:
         self.resume_at = state["position"]
+
+
+class OwnIterator(torch.utils.data.IterableDataset):
+    """Its own iterator, starting over in ``__iter__`` (so the loader must call it once an epoch)."""
+
+    def __init__(self, length: int):
+        self.length = length
+        self.i = 0
+
+    def __iter__(self):
+        self.i = 0
+        return self
+
+    def __next__(self):
+        if self.i >= self.length:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1

@@ -25,7 +25,6 @@ are (tensors included), never inspected.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 from aioload._workers.messages import CopyNote
@@ -89,8 +88,13 @@ class CopyState:
             except StopIteration:
                 self.ended = True
                 return None
-        items = list(itertools.islice(self.iterator, batch_size))
-        if len(items) < batch_size:
+        # next() each time: islice would call iter() on the iterator, and an iterator that is its
+        # own dataset may start over in __iter__
+        items, step = [], self.iterator.__next__
+        try:
+            for _ in range(batch_size):
+                items.append(step())
+        except StopIteration:
             self.ended = True
         if not items or (drop_last and len(items) < batch_size):
             return None
@@ -98,6 +102,11 @@ class CopyState:
 
 
 def _dropped(iterator, count: int):
-    """``iterator`` past its first ``count`` items."""
-    next(itertools.islice(iterator, count, count), None)
+    """``iterator`` past its first ``count`` items (fewer where it runs out first)."""
+    step = iterator.__next__
+    try:
+        for _ in range(count):
+            step()
+    except StopIteration:
+        pass
     return iterator
