@@ -42,6 +42,7 @@ from aioload._engine.ready import ReadyQueue
 from aioload._resources import LIVE, Resources, finalize_loader, watch_exit
 from aioload._sampling import EpochProgress, Planner, shard_sampler
 from aioload._seeding import derive_seed
+from aioload import _stateful
 from aioload._engine.spec import BatchBound, Mode, Plan, Reads, Shared, Spec
 from aioload._observe.stats import LoaderStats, StatsRecorder, dataset_figures
 from aioload._observe.tune import check_knob, is_auto, make_tuner
@@ -576,6 +577,7 @@ class DataLoader(Generic[_T_co]):
                 exact_seeds=self.seed is not None,
                 keep_rng=self.persistent_workers and self.seed is None,
                 batched_fetch=self._batched_fetch,
+                stateful=not self._iterable and _stateful.is_stateful(self.dataset),
                 read_in_workers=settings.read_in_workers, read_limit=read_limit, read_ceiling=read_ceiling,
                 read_timeout=self.read_timeout,
             )

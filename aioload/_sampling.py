@@ -396,12 +396,15 @@ class Planner:
             torch.set_rng_state(drawn)
         plan = Plan(batches=numbered, base_seed=base, per_sample_seeds=per_sample_seeds, delivered=delivered)
         copies = None
-        if self.iterable:
+        if self.iterable or _stateful.is_stateful(t.dataset):
             entry = resume.get("stateful") if resume is not None else None
             ranks = distributed_rank()
             plan.copies, plan.first_worker, copies = _stateful.resume_plan(
-                entry, progress is not None, t.num_workers, epoch, 1 if ranks is None else ranks[1])
+                entry, progress is not None, t.num_workers, epoch, 1 if ranks is None else ranks[1],
+                iterable=self.iterable)
             self.last_copies = copies
+            if not self.iterable and t.num_workers == 0 and plan.copies:  # the dataset is here
+                _stateful.load_dataset_state(t.dataset, plan.copies[0].record)
         if elastic is not None:
             segments, order_seed = elastic[0], progress["order_seed"]
         else:

@@ -223,3 +223,21 @@ def test_a_dataset_that_is_its_own_iterator_is_iterated_once_per_epoch(num_worke
     with aioload.DataLoader(OwnIterator(10), batch_size=4, num_workers=num_workers) as loader:
         got = list(loader)
     assert [b.tolist() for b in got] == [b.tolist() for b in expected] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_stateful_map_style_datasets_state_is_given_back_to_each_worker(num_workers, persistent):
+    from tests.stateful_data import RandomMap
+
+    def factory():
+        torch.manual_seed(2)  # in process the samples draw from the global RNG
+        return make(RandomMap(), batch_size=3, num_workers=num_workers, persistent_workers=persistent and num_workers > 0,
+                    generator=torch.Generator().manual_seed(9))
+
+    with factory() as loader:
+        full = [b for _ in range(2) for b in loader]
+    head, state = interrupted(factory, 5, epochs_before=1)
+    assert state["stateful"]["num_workers"] == num_workers
+    assert isinstance(state["stateful"]["workers"]["worker_0"]["dataset_state"]["rng"], torch.Tensor)
+    assert head + resumed(factory, state) == full

@@ -9,7 +9,10 @@ epoch, when the iterator is made: where neither is Stateful nothing is captured 
 reply carries no state and costs nothing more), and a resumed copy is fast-forwarded instead,
 by dropping the items it already delivered.
 
-A copy's state is a :class:`WorkerRecord` as a dict, the shape of one worker's entry in
+A map-style dataset that is Stateful (its random state, say) has its state captured the same
+way after each task, and given back when a resumed epoch starts (:func:`load_dataset_state`).
+
+A copy's state is a record, the shape of one worker's entry in
 torchdata's ``StatefulDataLoader`` state, so that a record written by either loader reads the
 same::
 
@@ -99,6 +102,17 @@ class CopyState:
         if not items or (drop_last and len(items) < batch_size):
             return None
         return items
+
+
+def dataset_note(worker_id: int, dataset) -> CopyNote:
+    """A map-style dataset's state after a task (the record's ``dataset_state``)."""
+    return CopyNote(record(worker_id, dataset, None, False), False, 0)
+
+
+def load_dataset_state(dataset, saved: dict | None) -> None:
+    """Give a map-style dataset (a worker's copy, or in process the dataset) its saved state."""
+    if saved is not None and saved.get("dataset_state") is not None and is_stateful(dataset):
+        dataset.load_state_dict(saved["dataset_state"])
 
 
 def _dropped(iterator, count: int):
