@@ -28,7 +28,8 @@ Each ``workers`` record has the shape of one worker's entry in torchdata's
 epoch, a resumed copy loads its record before it yields anything; a copy that is not Stateful
 is fast-forwarded instead, dropping its ``taken`` items (:class:`FastForwardWarning` names that
 cost). Between epochs (``progress`` is ``None``) only the ``dataset_state`` s apply, to the
-copies of the next epoch (an epoch counter, a shuffle seed). A state saved with another number
+copies of the next epoch (an epoch counter, a shuffle seed), and only where the copies would
+have lived on: persistent workers, or ``num_workers=0`` (torch's fresh workers get fresh copies). A state saved with another number
 of workers resumes its epoch from the start (:class:`~aioload._resume.ResumeWarning`): each
 worker's copy holds its own part of the stream; so does one saved with another number of ranks
 (a rank's copies hold that rank's part: each rank loads the state it saved).
@@ -133,13 +134,15 @@ def initial_entry(dataset_state, num_workers: int, world_size: int) -> dict:
 
 
 def resume_plan(entry: dict | None, mid_epoch: bool, num_workers: int, epoch: int, world_size: int = 1,
-                iterable: bool = True):
+                iterable: bool = True, carry: bool = True):
     """What a resumed iterable epoch starts from: ``(copies, first worker, Copies)`` where
     ``copies`` is one :class:`~aioload._workers.messages.ResumeCopy` (or ``None``) per worker,
     or ``(None, 0, Copies(num_workers))`` where nothing applies. Warns where the epoch cannot
     resume exactly (another number of workers)."""
     fresh = Copies(num_workers, world_size)
-    if entry is None:
+    if entry is None or (not mid_epoch and not carry):
+        # between epochs, the copies' states carry over only where the copies do: persistent
+        # workers, or the dataset itself in process (torch gives fresh workers fresh copies)
         return None, 0, fresh
     if not iterable:  # a map-style dataset's states: its batches resume from the plan, exactly
         return _map_plan(entry, mid_epoch, num_workers, world_size)

@@ -285,3 +285,21 @@ def test_an_epoch_with_the_same_base_seed_draws_the_same_in_reused_workers():
     expected = list(torch.utils.data.DataLoader(RandomMap(), batch_size=4, num_workers=2, generator=generator,
                                                 collate_fn=identity))
     assert epochs[0] == epochs[1] == expected
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_between_epochs_a_datasets_state_carries_over_only_where_its_copies_would(persistent):
+    # torch gives fresh workers fresh copies each epoch: their random state starts from the seed
+    from tests.stateful_data import RandomMap
+
+    def factory():
+        return make(RandomMap(), batch_size=4, num_workers=2, persistent_workers=persistent,
+                    generator=torch.Generator().manual_seed(5))
+
+    with factory() as loader:
+        first = list(loader)
+        state = saved(loader.state_dict())
+        second = list(loader)
+    assert state["progress"] is None and "stateful" in state
+    assert first != second
+    assert resumed(factory, state) == second
