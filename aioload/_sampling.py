@@ -350,10 +350,13 @@ class Planner:
             self.seed_generator.manual_seed(derive_seed(self.seed, epoch))
         generators = self.generators()
         saved = resume["rng"] if resume is not None else {}
-        if not self.iterable and t.num_workers == 0 and resume is not None and resume.get("stateful") \
-                and resume["stateful"]["num_workers"] == 0:
-            # A Stateful map-style dataset loaded here gets its state first: torch's global RNG,
-            # if that is what it holds, is restored around the plan's own draws below
+        early = (resume is not None and resume.get("stateful") is not None and t.num_workers == 0
+                 and resume["stateful"]["num_workers"] == 0
+                 and (not self.iterable or (lazy and resume.get("progress") is not None and not _taken(resume))))
+        if early:
+            # A Stateful dataset loaded here (map-style; an iterable's before its first batch) gets
+            # its state first: torch's global RNG, if that is what it holds, is then restored
+            # around the plan's own draws below, and goes on from after them
             _stateful.load_dataset_state(t.dataset, resume["stateful"]["workers"]["worker_0"])
         progress = resume.get("progress") if resume is not None else None
         with _resume.restored(saved, generators):
@@ -408,6 +411,9 @@ class Planner:
                 entry, progress is not None, t.num_workers, epoch, 1 if ranks is None else ranks[1],
                 iterable=self.iterable, carry=t.persistent_workers or t.num_workers == 0)
             self.last_copies = copies
+            if early and self.iterable and plan.copies:  # its state is loaded already (above)
+                first = plan.copies[0]
+                plan.copies = (first._replace(record=dict(first.record, dataset_state=None)),)
         if elastic is not None:
             segments, order_seed = elastic[0], progress["order_seed"]
         else:
@@ -695,7 +701,7 @@ class Planner:
         ``next()`` draws the base seed and the sampler's order): every generator's state now,
         torch's global RNG included, as torch's iterator holds the seed it drew at ``iter()``, so
         that a resumed run draws that epoch's order again; and, for an IterableDataset that is
-        Stateful, its state as each worker's copy starts from it."""
+        Stateful and loaded in process, its state now."""
         gens = self.generators()
         rng = _resume.snapshot(gens)
         base = self._peek_base(epoch, rng)
@@ -706,7 +712,9 @@ class Planner:
         if mix is not None:
             state["mix"] = _resume.mix_entry(mix.dataset.names, mix.weights, ((0, mix.weights),))
         dataset = self.torch.dataset
-        if self.iterable and _stateful.is_stateful(dataset):
+        # in process, the copy is the dataset itself; workers' copies are pickled from it and
+        # seeded in the worker, which a state taken here would undo (its random state, say)
+        if self.iterable and self.torch.num_workers == 0 and _stateful.is_stateful(dataset):
             ranks = distributed_rank()
             state["stateful"] = _stateful.initial_entry(dataset.state_dict(), self.torch.num_workers,
                                                         1 if ranks is None else ranks[1])
