@@ -55,6 +55,7 @@ class EngineIterator(EpochIterator):
         except _NotYet:
             raise
         except EndOfEpoch:
+            ctx.noted()
             self._epoch_over(ctx, started)
             raise StopIteration from None
         except TimeoutError:
@@ -66,6 +67,7 @@ class EngineIterator(EpochIterator):
             raise
         if owed:
             ctx.engine.give_permit()
+        ctx.noted()
         return item, time.perf_counter() - started
 
     def _finish(self, ctx: EpochContext, item, waited: float):

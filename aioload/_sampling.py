@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
-from aioload import _resume
+from aioload import _resume, _stateful
 from aioload._engine.ready import Delivered
 from aioload._engine.spec import Plan
 from aioload._plan.deal import Deal
@@ -299,8 +299,9 @@ class EpochProgress:
 
     def __init__(self, epoch: int, base_seed: int, rng: dict, delivered: Delivered,
                  batches: _Numbered | None, replayable: bool, iterable: bool,
-                 segments: tuple[Segment, ...] = (), order_seed=None):
+                 segments: tuple[Segment, ...] = (), order_seed=None, copies: _stateful.Copies | None = None):
         self.epoch = epoch
+        self.copies = copies  # an IterableDataset's copies as of the last delivered batch
         self.segments = segments  # the parts of this epoch run on other world sizes (elastic resume)
         # The seed the epoch's order was computed from: an int, None, or a callable that asks
         # the sampler (which draws it when the first batch is pulled).
@@ -328,6 +329,7 @@ class Planner:
         self.seed_generator = seed_generator
         self.iterable = iterable
         self._kept_base: tuple[int, int] | None = None  # (epoch, base seed) drawn for persistent workers
+        self.last_copies: _stateful.Copies | None = None  # an IterableDataset's, from its last epoch
         mix = self._mix()
         self.tally = SourceTally(mix.dataset.names, mix.dataset.offsets) if mix is not None else None
 
@@ -348,6 +350,14 @@ class Planner:
             self.seed_generator.manual_seed(derive_seed(self.seed, epoch))
         generators = self.generators()
         saved = resume["rng"] if resume is not None else {}
+        early = (resume is not None and resume.get("stateful") is not None and t.num_workers == 0
+                 and resume["stateful"]["num_workers"] == 0
+                 and (not self.iterable or (lazy and resume.get("progress") is not None and not _taken(resume))))
+        if early:
+            # A Stateful dataset loaded here (map-style; an iterable's before its first batch) gets
+            # its state first: torch's global RNG, if that is what it holds, is then restored
+            # around the plan's own draws below, and goes on from after them
+            _stateful.load_dataset_state(t.dataset, resume["stateful"]["workers"]["worker_0"])
         progress = resume.get("progress") if resume is not None else None
         with _resume.restored(saved, generators):
             start = _resume.snapshot(generators)
@@ -370,6 +380,7 @@ class Planner:
                 # epoch draws inside this block, from the saved state).
                 first = [] if lazy and not saved else list(itertools.islice(sampler_iter, 1))
                 pairs = enumerate(itertools.chain(first, sampler_iter))
+            drawn = torch.get_rng_state() if any(entry["global"] for entry in saved.values()) else None
         if progress is not None:
             if progress["base_seed"] != base and progress["batches"] is None and progress["inexact"] is None:
                 raise _resume.ResumeError(
@@ -386,13 +397,29 @@ class Planner:
         replayable = _replayable(t._index_sampler) and not (progress is not None and progress["batches"] is not None)
         numbered = _Numbered(pairs, skip, delivered, record=not replayable and not self.iterable,
                              limit=_len_or_none(t._index_sampler), tally=self.tally.pulled if self.tally else None)
+        if lazy and progress is not None and not len(skip) and not _taken(resume) and drawn is not None:
+            # A state saved after iter() and before the epoch's first batch, loaded in process:
+            # the epoch goes on drawing from torch's global RNG as the saved run's epoch did (the
+            # dataset's own random draws too), from where the plan's draws left it
+            torch.set_rng_state(drawn)
         plan = Plan(batches=numbered, base_seed=base, per_sample_seeds=per_sample_seeds, delivered=delivered)
+        copies = None
+        if self.iterable or _stateful.is_stateful(t.dataset):
+            entry = resume.get("stateful") if resume is not None else None
+            ranks = distributed_rank()
+            plan.copies, plan.first_worker, copies = _stateful.resume_plan(
+                entry, progress is not None, t.num_workers, epoch, 1 if ranks is None else ranks[1],
+                iterable=self.iterable, carry=t.persistent_workers or t.num_workers == 0)
+            self.last_copies = copies
+            if early and self.iterable and plan.copies:  # its state is loaded already (above)
+                first = plan.copies[0]
+                plan.copies = (first._replace(record=dict(first.record, dataset_state=None)),)
         if elastic is not None:
             segments, order_seed = elastic[0], progress["order_seed"]
         else:
             segments, order_seed = (), self._order_seed_now
         return plan, EpochProgress(epoch, base, start, delivered, numbered, replayable, self.iterable,
-                                   segments=segments, order_seed=order_seed)
+                                   segments=segments, order_seed=order_seed, copies=copies)
 
     def _announce(self, pairs, skip: Delivered):
         """Tell a dataset that computes its order which indices this rank will read in the
@@ -638,17 +665,24 @@ class Planner:
             # Between epochs: the next one starts from the generators as they are now
             # (torch's global RNG excepted: that one is the training script's to save).
             gens = {role: g for role, g in self.generators().items() if g is not None}
-            return _resume.pack(next_epoch, self.config(), _resume.snapshot(gens), None, self._kept_base,
-                                mix=self._mix_state(False))
-        return _resume.pack(progress.epoch, self.config(), progress.rng, self._position(progress), self._kept_base,
-                            mix=self._mix_state(True))
+            state = _resume.pack(next_epoch, self.config(), _resume.snapshot(gens), None, self._kept_base,
+                                 mix=self._mix_state(False))
+            copies = self.last_copies
+            if copies is not None and copies.stateful():  # the copies' own states (an epoch counter)
+                state["stateful"] = copies.entry()
+            return state
+        state = _resume.pack(progress.epoch, self.config(), progress.rng, self._position(progress), self._kept_base,
+                             mix=self._mix_state(True))
+        if progress.copies is not None and progress.copies.started():
+            state["stateful"] = progress.copies.entry()
+        return state
 
     def _position(self, progress: EpochProgress) -> dict:
         """Where the epoch in progress is. Where that cannot be saved exactly, the state
         stands for the epoch's start and says why (see docs/reproducibility.md): saving never
         fails, and loading such a state warns."""
         if progress.iterable:
-            if progress.taken == 0:
+            if progress.taken == 0 or progress.copies is not None:  # the copies hold the position
                 return _resume.progress(progress.base_seed, Delivered(), None)
             return _resume.progress(progress.base_seed, Delivered(), None, inexact=_resume.ITERABLE_MIDDLE)
         if progress.replayable:
@@ -659,6 +693,43 @@ class Planner:
         except _resume.Unsaveable as exc:
             return _resume.progress(progress.base_seed, Delivered(), None, inexact=str(exc))
         return _resume.progress(progress.base_seed, progress.delivered, batches, rank=_rank())
+
+    def start_state(self, epoch: int) -> dict:
+        """The state of epoch ``epoch`` made ready by ``iter()`` but not started (its first
+        ``next()`` draws the base seed and the sampler's order): every generator's state now,
+        torch's global RNG included, as torch's iterator holds the seed it drew at ``iter()``, so
+        that a resumed run draws that epoch's order again; and, for an IterableDataset that is
+        Stateful and loaded in process, its state now."""
+        gens = self.generators()
+        rng = _resume.snapshot(gens)
+        base = self._peek_base(epoch, rng)
+        state = _resume.pack(epoch, self.config(), rng,
+                             _resume.progress(base, Delivered(), None, order_seed=self._order_seed_now()),
+                             self._kept_base, mix=None)
+        mix = self._mix()
+        if mix is not None:
+            state["mix"] = _resume.mix_entry(mix.dataset.names, mix.weights, ((0, mix.weights),))
+        dataset = self.torch.dataset
+        # in process, the copy is the dataset itself; workers' copies are pickled from it and
+        # seeded in the worker, which a state taken here would undo (its random state, say)
+        if self.iterable and self.torch.num_workers == 0 and _stateful.is_stateful(dataset):
+            ranks = distributed_rank()
+            state["stateful"] = _stateful.initial_entry(dataset.state_dict(), self.torch.num_workers,
+                                                        1 if ranks is None else ranks[1])
+        return state
+
+    def _peek_base(self, epoch: int, rng: dict) -> int:
+        """The base seed :meth:`plan` will draw for ``epoch`` from the generators in ``rng``,
+        drawn from a copy (nothing is drawn from the generators themselves)."""
+        if self.seed is not None:
+            return derive_seed(self.seed, epoch, 1)
+        t = self.torch
+        if t.persistent_workers and t.num_workers > 0 and self._kept_base is not None:
+            first, base = self._kept_base
+            return base if epoch == first else derive_seed(base, epoch)
+        scratch = torch.Generator()
+        scratch.set_state(_resume.rng_tensor(rng["loader"]["state"]))
+        return draw_base_seed(scratch)
 
     def expected(self) -> _resume.Expected:
         """What a state this loader can load looks like (see :func:`aioload._resume.unpack`)."""
@@ -721,6 +792,12 @@ class Planner:
     def resume_state(self, resume: dict) -> dict:
         """The state of a loader that loaded ``resume`` and has not iterated since."""
         return copy.deepcopy(resume["saved"])
+
+
+def _taken(resume: dict) -> bool:
+    """Whether a resumed IterableDataset's copies had delivered anything."""
+    entry = resume.get("stateful")
+    return entry is not None and any(entry["taken"])
 
 
 def _rank() -> int:

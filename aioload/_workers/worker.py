@@ -26,11 +26,12 @@ from aioload._handoff.chunks import ChunkWriter
 from aioload._handoff.layout import Layout
 from aioload._handoff.writers import RowWriter, SlotWriter, column_views
 from aioload._workers.messages import (BatchOut, CancelReads, ChunkOut, Done, DropSlots, InitError, IterWork,
-                                      ReadReport, RowsOut, RowsWork, Shutdown, StartEpoch, Stopped, Task, TaskError,
-                                      WholeWork, WorkerReady)
+                                      ReadReport, ResumeCopy, RowsOut, RowsWork, Shutdown, StartEpoch, Stopped, Task,
+                                      TaskError, WholeWork, WorkerReady)
 from aioload._seeding import sample_seed, seed_everything, seed_worker
 from aioload._handoff.shm import Segment, recv_fd
 from aioload._workers.reads import FailedRead, WorkerReads
+from aioload._workers.state import CopyState, dataset_note, load_dataset_state
 
 SLOT_HEADER = struct.Struct("<qq")
 
@@ -52,6 +53,7 @@ class WorkerConfig:
     exact_seeds: bool = False  # seed= given: every sample is seeded alone
     keep_rng: bool = False  # persistent_workers=True: RNG streams go on across epochs, as in torch
     batched_fetch: bool = False  # a batch is fetched with one __getitems__ call, as torch does
+    stateful: bool = False  # a map-style dataset with state_dict/load_state_dict: captured after each task
     read_in_workers: bool = False  # the workers await dataset.read themselves (aioload._workers.reads)
     read_limit: int = 1  # with read_in_workers: reads in flight per worker, at first
     read_ceiling: int = 1  # ... and how far that limit may grow (read_limit: it stays)
@@ -91,22 +93,29 @@ class _Worker:
         self.layouts: dict[int, tuple] = {}  # slot id -> (description, Layout, column views)
         self.base_seed = cfg.base_seed
         self.per_sample_seeds = True
-        self.iterator = None
-        self.seeded: int | None = None  # the base seed the worker's RNGs were last seeded from
+        self.copy: CopyState | None = None  # an IterableDataset's copy in this epoch
+        self.resume: ResumeCopy | None = None  # what the epoch's copy resumes from
+        self.seeded: int | None = None
+        self.served = False  # a task ran since the worker was last seeded  # the base seed the worker's RNGs were last seeded from
         self.reads: WorkerReads | None = None  # with cfg.read_in_workers, once worker_init_fn has run
         self.inbox: queue.SimpleQueue | None = None  # with reads here: (message, reading) in arrival order
 
     # -- set-up -------------------------------------------------------------------------
     def start_epoch(self, base_seed: int, per_sample_seeds: bool) -> None:
-        """Seed as torch seeds a worker started for this epoch. A worker that is already seeded
-        from this base seed (a fresh one, after worker_init_fn) or whose streams go on across
-        epochs (``keep_rng``, torch's persistent workers) keeps its RNG state."""
+        """Seed as torch seeds a worker started for this epoch. A fresh worker already seeded
+        from this base seed (after worker_init_fn, which may seed in its turn), and one whose
+        streams go on across epochs (``keep_rng``, torch's persistent workers), keep their RNG
+        state; a worker that served an epoch is seeded again even from the same base seed (a
+        resumed epoch replays its seeds)."""
         self.base_seed = base_seed
         self.per_sample_seeds = per_sample_seeds
-        self.iterator = None
-        if self.seeded is None or (base_seed != self.seeded and not self.cfg.keep_rng):
+        self.copy = None
+        self.resume = None
+        reused = self.served and not self.cfg.keep_rng
+        if self.seeded is None or reused or (base_seed != self.seeded and not self.cfg.keep_rng):
             self.seeded = base_seed
             _set_worker_info(self.id, self.cfg, seed_worker(base_seed, self.id))
+        self.served = False
 
     def segment(self, slot_id: int) -> Segment:
         seg = self.segments.get(slot_id)
@@ -314,28 +323,22 @@ class _Worker:
         return Done(task_id, BatchOut(payload), errors, specs, writer.overflow_wanted, seconds)
 
     def run_iter(self, task_id, slot):
+        """The next batch of this worker's copy of the IterableDataset, with what it did to the
+        copy (its state where the copy is Stateful: see :mod:`aioload._workers.state`)."""
         cfg = self.cfg
         started = time.perf_counter()
         try:
-            if self.iterator is None:
-                self.iterator = iter(cfg.dataset)
-            if cfg.auto_collation:
-                samples = []
-                for _ in range(cfg.batch_size):
-                    try:
-                        samples.append(next(self.iterator))
-                    except StopIteration:
-                        break
-                if not samples or (cfg.drop_last and len(samples) < cfg.batch_size):
-                    return Stopped(task_id)
-            else:
-                samples = [next(self.iterator)]
-        except StopIteration:
-            return Stopped(task_id)
+            if self.copy is None:
+                self.copy = CopyState(self.id, cfg.dataset, self.resume)
+                self.resume = None
+            samples = self.copy.batch(cfg.batch_size if cfg.auto_collation else None, cfg.drop_last)
         except Exception as exc:  # noqa: BLE001
             errors = [TaskError(0, None, "__iter__", pack_exception(exc))]
             return Done(task_id, BatchOut(None), errors, None, 0, time.perf_counter() - started)
-        return self.finish_batch(task_id, slot, self.writer(slot), samples, [], started, None)
+        if samples is None:
+            return Stopped(task_id, self.copy.note(0))
+        done = self.finish_batch(task_id, slot, self.writer(slot), samples, [], started, None)
+        return done._replace(copy=self.copy.note(len(samples)))
 
     def serve(self) -> None:
         while (message := self.next_message()) is not None:
@@ -348,11 +351,18 @@ class _Worker:
             if isinstance(msg, DropSlots):
                 self.drop(msg.slot_ids)
                 continue
+            if isinstance(msg, ResumeCopy):
+                if self.cfg.iterable:
+                    self.resume = msg  # given to the epoch's copy when it is made
+                else:
+                    load_dataset_state(self.cfg.dataset, msg.record)
+                continue
             _wire.send_blocking(self.sock, self.run(msg, reading))
 
     def run(self, task: Task, reading) -> Done | Stopped:
         """One task, its reads (started on arrival, ``reading``) awaited first."""
         self.task = task.task_id
+        self.served = True
         self.drop(task.drops)
         cpu = time.process_time()
         work, report = task.work, None
@@ -370,6 +380,8 @@ class _Worker:
         if isinstance(reply, Done):
             # CPU seconds (compared to wall time in stats), and the reads made here
             reply = reply._replace(cpu_s=time.process_time() - cpu, reads=report)
+            if self.cfg.stateful:  # the dataset's state after this task's samples
+                reply = reply._replace(copy=dataset_note(self.id, self.cfg.dataset))
         return reply
 
     # -- reads in this worker (cfg.read_in_workers) ------------------------------------------
