@@ -28,3 +28,19 @@ def test_trainer_resumes_the_loader_from_its_checkpoint(tmp_path):
     # ignore_data_skip) would have loaded the rest of the resumed epoch with a torch DataLoader.
     assert [result[run]["delivered"] for run in ("full", "first", "rest")] == [12, 7, 5]
     assert (tmp_path / "first" / "checkpoint-7" / "aioload_loader.pt").is_file()
+
+
+def test_trainer_resumes_a_streaming_dataset_from_its_checkpoint(tmp_path):
+    # A Hugging Face stream of 2 Parquet files (40 rows, shuffled with a buffer, 2 workers: 10
+    # batches an epoch, no len()): 14 steps, a checkpoint at step 7, resumed.
+    pytest.importorskip("datasets")
+    from tests.hf_data import write_files
+
+    paths = write_files(tmp_path / "data", "parquet", files=2, rows=20)
+    run([str(SCRIPTS / "hf_trainer_run.py"), str(tmp_path), "--stream", *paths])
+    result = json.loads((tmp_path / "result.json").read_text())
+    full, first, rest = (result[run]["seen"] for run in ("full", "first", "rest"))
+    assert len(full) == 14 and len(first) == 7
+    assert sorted(i for batch in full[:10] for i in batch) == sorted(f * 1000 + r for f in range(2) for r in range(20))
+    assert first + rest == full
+    assert [result[run]["delivered"] for run in ("full", "first", "rest")] == [14, 7, 7]
