@@ -1,5 +1,13 @@
 """IterableDataset epochs, torch's way: each task asks one worker for the next batch of its own
-copy of the dataset, round-robin over the workers that have not run out."""
+copy of the dataset, round-robin over the workers that have not run out.
+
+A worker's copy yields its items in the order its tasks reach it, so each worker's tasks are
+sent in their batches' order: a batch waits for the one before it on the same worker to have
+sent its task (a :class:`~aioload._engine.spec.Turn`, as round-robin dispatch of map-style
+batches does) before it enters the layout lesson or the pool. Without that chain, a batch
+woken early from the lesson (the first epoch, while a reply teaches the layout) reached its
+worker before an earlier one: a worker's items came out of order in about one first epoch in
+four where one worker had no data."""
 
 from __future__ import annotations
 
@@ -8,7 +16,7 @@ import itertools
 from typing import Callable
 
 from aioload._engine.ready import SKIP
-from aioload._engine.spec import Failure
+from aioload._engine.spec import Failure, Turn
 from aioload._workers.messages import IterWork, Stopped
 
 
@@ -26,6 +34,7 @@ class IterableStage:
         self.lesson = lesson
         self.lease = lease
         self.active = [True] * spec.num_workers  # False once a worker's copy has run out
+        self._turns: list[Turn | None] = [None] * spec.num_workers  # each worker's last batch
 
     async def run(self, tg: asyncio.TaskGroup) -> int:
         """Tasks go round-robin to the workers that have not run out; a worker that ran out
@@ -44,7 +53,8 @@ class IterableStage:
             else:
                 self.permits.release()  # every worker ran out while this permit was awaited
                 break
-            task = tg.create_task(self._batch(self.lease(seq), wid))
+            turn = self._turns[wid] = Turn(wid, self._turns[wid])
+            task = tg.create_task(self._batch(self.lease(seq, None, turn), wid))
             outstanding.add(task)
             task.add_done_callback(outstanding.discard)
             seq += 1
@@ -56,6 +66,7 @@ class IterableStage:
 
     async def _batch(self, lease, wid: int) -> None:
         try:
+            await lease.turn.wait()  # this worker's batch before this one has sent its task
             item = SKIP  # a worker that ran out yields nothing: the consumer skips the number
             if self.active[wid]:
                 try:
@@ -75,7 +86,9 @@ class IterableStage:
         if slot is not None:
             layout = slot.layout
             desc = (slot.id, layout.describe(), (layout.fixed_bytes, layout.size))
-        reply = await self.session.submit(IterWork(), desc, [], lease.seq, worker=wid)
+        reply = self.session.enqueue(IterWork(), desc, [], lease.seq, worker=wid)
+        lease.sent()  # queued: the worker's next batch may go
+        reply = await reply
         if isinstance(reply, Stopped):
             self.active[wid] = False
             return SKIP

@@ -1,0 +1,110 @@
+"""Datasets and samplers for the Stateful protocol's tests (module level, so that every start
+method can import them): streams split unevenly between workers, with and without a state."""
+
+from __future__ import annotations
+
+import torch
+
+
+def identity(batch):
+    return batch
+
+
+def worker_slice(sizes: list[int]) -> range:
+    """This worker's items of a stream split ``sizes`` between the workers (in-process: all)."""
+    info = torch.utils.data.get_worker_info()
+    if info is None:
+        return range(sum(sizes))
+    start = sum(sizes[: info.id])
+    return range(start, start + sizes[info.id])
+
+
+class Uneven(torch.utils.data.IterableDataset):
+    """Worker ``w`` yields ``sizes[w]`` consecutive ints; no state of its own. ``iters`` counts
+    the ``__iter__`` calls of this copy (in a worker: that worker's)."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+        self.iters = 0
+
+    def __iter__(self):
+        self.iters += 1
+        return iter(worker_slice(self.sizes))
+
+
+class Counted(torch.utils.data.IterableDataset):
+    """Like :class:`Uneven`, with a state: the position in this worker's slice and an epoch
+    counter (bumped when the slice runs out), so that every epoch's items differ."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+        self.position = 0
+        self.epoch = 0
+        self.loaded = 0  # load_state_dict calls on this copy
+
+    def __iter__(self):
+        items = worker_slice(self.sizes)
+        while self.position < len(items):
+            item = items[self.position]
+            self.position += 1
+            yield (item, self.epoch)
+        self.position = 0
+        self.epoch += 1
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded += 1
+        self.position = state["position"]
+        self.epoch = state["epoch"]
+
+
+class RandomWalk(torch.utils.data.IterableDataset):
+    """Its own iterator, drawing from torch's global RNG in the worker: the state holds the RNG
+    state as a tensor (not plain data)."""
+
+    def __init__(self, length: int):
+        self.length = length
+        self.i = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i >= self.length:
+            raise StopIteration
+        self.i += 1
+        return int(torch.randint(1000, (1,)))
+
+    def state_dict(self) -> dict:
+        return {"i": self.i, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.i = state["i"]
+        torch.set_rng_state(state["rng"])
+
+
+class CountingSampler(torch.utils.data.Sampler):
+    """A sampler with a state of its own: the position in ``range(n)`` (resumed through it)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.position = 0
+        self.resume_at = None
+
+    def __iter__(self):
+        start, self.resume_at = (self.resume_at or 0), None
+        for i in range(start, self.n):
+            self.position = i + 1
+            yield i
+        self.position = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.resume_at = state["position"]
