@@ -84,6 +84,13 @@ class EpochContext:
         if self.monitor is not None:
             self.monitor.batch()
 
+    def noted(self) -> None:
+        """Apply what the batches just passed did to an IterableDataset's copies (their notes,
+        in the order received: see aioload._stateful)."""
+        copies = self.progress.copies if self.progress is not None else None
+        if copies is not None and self.ready is not None:
+            copies.apply(self.ready.take_notes())
+
     def ended(self, waited: float) -> None:
         """``__next__`` found the end of the epoch after ``waited`` seconds."""
         self.stats.end_epoch(waited)

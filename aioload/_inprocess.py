@@ -4,7 +4,6 @@ and the decode and collate steps that run here when only the reads go to the eng
 from __future__ import annotations
 
 import contextlib
-import itertools
 import random
 import time
 from typing import TYPE_CHECKING
@@ -17,6 +16,7 @@ from aioload._engine.budget import SKIPPED, AllSkipped, run_in_process
 from aioload._compat import LOADING, WAITING_ASYNC, profiled
 from aioload._epoch import EpochContext, EpochIterator, EpochSource
 from aioload._seeding import sample_seed, seed_everything
+from aioload._workers.state import CopyState
 
 if TYPE_CHECKING:
     from aioload._engine.budget import ErrorBudget
@@ -39,25 +39,24 @@ class InProcessIterator(EpochIterator):
 
     def __init__(self, source: EpochSource):
         super().__init__(source)
-        self._data_iter = None
-        self._data_ended = False  # as torch's fetcher: an iterator that ran out is not asked again
+        self._copy: CopyState | None = None  # an IterableDataset: the dataset itself, as in torch
 
     def _open(self, source: EpochSource) -> EpochContext:
         ctx = source._start_in_process()
-        self._data_iter = iter(ctx.dataset) if ctx.iterable else None
+        if ctx.iterable:  # a resumed epoch gives the dataset its saved state first (aioload._stateful)
+            copies = ctx.plan.copies
+            self._copy = CopyState(0, ctx.dataset, copies[0] if copies else None)
         return ctx
 
     def _fetch(self, ctx: EpochContext):
         if ctx.iterable:
-            if ctx.auto_collation:
-                if self._data_ended:
-                    raise StopIteration
-                samples = list(itertools.islice(self._data_iter, ctx.batch_size))
-                self._data_ended = len(samples) < ctx.batch_size
-                if not samples or (ctx.drop_last and len(samples) < ctx.batch_size):
-                    raise StopIteration
-                return ctx.collate_fn(samples)
-            return ctx.collate_fn(next(self._data_iter))
+            # as torch's fetcher: an iterator that ran out is not asked again
+            copy, copies = self._copy, ctx.progress.copies
+            items = copy.batch(ctx.batch_size if ctx.auto_collation else None, ctx.drop_last)
+            copies.note(0, copy.note(0 if items is None else len(items)))
+            if items is None:
+                raise StopIteration
+            return ctx.collate_fn(items if ctx.auto_collation else items[0])
         while True:
             seq, indices = next(ctx.plan.batches)
             ctx.plan.delivered.add(seq)

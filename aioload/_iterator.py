@@ -54,6 +54,7 @@ class EngineIterator(EpochIterator):
         except _NotYet:
             raise
         except EndOfEpoch:
+            ctx.noted()
             self._epoch_over(ctx, started)
             raise StopIteration from None
         except TimeoutError:
@@ -65,6 +66,7 @@ class EngineIterator(EpochIterator):
             raise
         if owed:
             ctx.engine.give_permit()
+        ctx.noted()
         return item, time.perf_counter() - started
 
     def _finish(self, ctx: EpochContext, item, waited: float):

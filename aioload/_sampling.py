@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
-from aioload import _resume
+from aioload import _resume, _stateful
 from aioload._engine.ready import Delivered
 from aioload._engine.spec import Plan
 from aioload._plan.deal import Deal
@@ -299,8 +299,9 @@ class EpochProgress:
 
     def __init__(self, epoch: int, base_seed: int, rng: dict, delivered: Delivered,
                  batches: _Numbered | None, replayable: bool, iterable: bool,
-                 segments: tuple[Segment, ...] = (), order_seed=None):
+                 segments: tuple[Segment, ...] = (), order_seed=None, copies: _stateful.Copies | None = None):
         self.epoch = epoch
+        self.copies = copies  # an IterableDataset's copies as of the last delivered batch
         self.segments = segments  # the parts of this epoch run on other world sizes (elastic resume)
         # The seed the epoch's order was computed from: an int, None, or a callable that asks
         # the sampler (which draws it when the first batch is pulled).
@@ -328,6 +329,7 @@ class Planner:
         self.seed_generator = seed_generator
         self.iterable = iterable
         self._kept_base: tuple[int, int] | None = None  # (epoch, base seed) drawn for persistent workers
+        self.last_copies: _stateful.Copies | None = None  # an IterableDataset's, from its last epoch
         mix = self._mix()
         self.tally = SourceTally(mix.dataset.names, mix.dataset.offsets) if mix is not None else None
 
@@ -387,12 +389,19 @@ class Planner:
         numbered = _Numbered(pairs, skip, delivered, record=not replayable and not self.iterable,
                              limit=_len_or_none(t._index_sampler), tally=self.tally.pulled if self.tally else None)
         plan = Plan(batches=numbered, base_seed=base, per_sample_seeds=per_sample_seeds, delivered=delivered)
+        copies = None
+        if self.iterable:
+            entry = resume.get("stateful") if resume is not None else None
+            ranks = distributed_rank()
+            plan.copies, plan.first_worker, copies = _stateful.resume_plan(
+                entry, progress is not None, t.num_workers, epoch, 1 if ranks is None else ranks[1])
+            self.last_copies = copies
         if elastic is not None:
             segments, order_seed = elastic[0], progress["order_seed"]
         else:
             segments, order_seed = (), self._order_seed_now
         return plan, EpochProgress(epoch, base, start, delivered, numbered, replayable, self.iterable,
-                                   segments=segments, order_seed=order_seed)
+                                   segments=segments, order_seed=order_seed, copies=copies)
 
     def _announce(self, pairs, skip: Delivered):
         """Tell a dataset that computes its order which indices this rank will read in the
@@ -640,17 +649,24 @@ class Planner:
             # Between epochs: the next one starts from the generators as they are now
             # (torch's global RNG excepted: that one is the training script's to save).
             gens = {role: g for role, g in self.generators().items() if g is not None}
-            return _resume.pack(next_epoch, self.config(), _resume.snapshot(gens), None, self._kept_base,
-                                mix=self._mix_state(False))
-        return _resume.pack(progress.epoch, self.config(), progress.rng, self._position(progress), self._kept_base,
-                            mix=self._mix_state(True))
+            state = _resume.pack(next_epoch, self.config(), _resume.snapshot(gens), None, self._kept_base,
+                                 mix=self._mix_state(False))
+            copies = self.last_copies
+            if copies is not None and copies.stateful():  # the copies' own states (an epoch counter)
+                state["stateful"] = copies.entry()
+            return state
+        state = _resume.pack(progress.epoch, self.config(), progress.rng, self._position(progress), self._kept_base,
+                             mix=self._mix_state(True))
+        if progress.copies is not None and progress.copies.started():
+            state["stateful"] = progress.copies.entry()
+        return state
 
     def _position(self, progress: EpochProgress) -> dict:
         """Where the epoch in progress is. Where that cannot be saved exactly, the state
         stands for the epoch's start and says why (see docs/reproducibility.md): saving never
         fails, and loading such a state warns."""
         if progress.iterable:
-            if progress.taken == 0:
+            if progress.taken == 0 or progress.copies is not None:  # the copies hold the position
                 return _resume.progress(progress.base_seed, Delivered(), None)
             return _resume.progress(progress.base_seed, Delivered(), None, inexact=_resume.ITERABLE_MIDDLE)
         if progress.replayable:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import aioload
-from aioload._resume import ITERABLE_MIDDLE, ResumeWarning
+from aioload._resume import ResumeWarning
 from tests.random_data import Augmented, Gated, Shuffled, Stream
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -307,25 +307,33 @@ def test_a_state_from_another_configuration_is_refused():
             loader.load_state_dict({"epoch": 1})
 
 
-def test_iterable_dataset_saved_mid_epoch_resumes_from_the_epochs_start():
+def test_iterable_dataset_saved_mid_epoch_resumes_by_fast_forwarding_its_copies():
+    from aioload._stateful import FastForwardWarning
+
     with aioload.DataLoader(Stream(10), batch_size=3, num_workers=1) as loader:
         first = [b.tolist() for b in loader]
         between = roundtrip(loader.state_dict())
         iterator = iter(loader)
         next(iterator)
-        middle = roundtrip(loader.state_dict())  # saving works; the state stands for the epoch's start
+        middle = roundtrip(loader.state_dict())  # the copy's position: 3 items taken
     assert between["epoch"] == 1 and between["progress"] is None
-    assert middle["epoch"] == 1 and middle["progress"]["delivered"] == {"below": 0, "also": []}
-    assert middle["progress"]["inexact"] == ITERABLE_MIDDLE
-    with aioload.DataLoader(Stream(10), batch_size=3) as loader:
+    assert middle["epoch"] == 1 and middle["progress"]["inexact"] is None
+    assert middle["stateful"]["taken"] == [3]
+    with aioload.DataLoader(Stream(10), batch_size=3, num_workers=1) as loader:
         loader.load_state_dict(between)  # between epochs: exact, no warning
         assert [b.tolist() for b in loader] == first
+        loader.load_state_dict(middle)
+        with pytest.warns(FastForwardWarning, match=r"^this state resumes epoch 1 of an IterableDataset that has "
+                                                    r"no state_dict\(\)/load_state_dict\(\) .* drops the items it "
+                                                    r"delivered before the save, 3 in all \(worker 0: 3\)"):
+            rest = [b.tolist() for b in loader]
+        assert rest == first[1:]  # the rest of the epoch, exactly
+    with aioload.DataLoader(Stream(10), batch_size=3) as loader:  # another number of workers
+        loader.load_state_dict(middle)
         with pytest.warns(ResumeWarning, match=r"^this state resumes epoch 1 from its start, not from where it "
-                                               r"was saved: the position inside an epoch of an IterableDataset is "
-                                               r"not saved: .* Batches delivered in that epoch before the save are "
-                                               r"delivered again$"):
-            loader.load_state_dict(middle)
-        assert [b.tolist() for b in loader] == first  # the whole epoch, its first batch again
+                                               r"was saved: it was saved with num_workers=1 and this loader has "
+                                               r"num_workers=0"):
+            assert [b.tolist() for b in loader] == first  # the whole epoch, its first batch again
 
 
 def test_a_sampler_that_cannot_be_written_out_saves_the_epochs_start():

@@ -277,12 +277,17 @@ def test_an_empty_or_gapped_epoch_is_refused():
             MAKERS["written"])
 
 
-def test_the_epoch_start_of_an_iterable_dataset_is_the_only_position():
+def test_an_iterable_datasets_position_is_its_copies_not_delivered_batches():
     state = STATES["iterable"]()
-    assert state["progress"]["inexact"] is not None and state["progress"]["delivered"] == {"below": 0, "also": []}
+    assert state["progress"]["inexact"] is None and state["progress"]["delivered"] == {"below": 0, "also": []}
+    assert state["stateful"]["taken"] != [0] * len(state["stateful"]["taken"])
     refused(replaced(state, ("progress", "delivered", "below"), 1),
             r"progress must stand for the epoch's start: an IterableDataset's epoch resumes from its start only "
             r"\(nothing delivered, no batches\)", MAKERS["iterable"])
+    refused(replaced(state, ("stateful", "taken", 0), -1), r"stateful.taken\[0\] must be an int >= 0, got -1",
+            MAKERS["iterable"])
+    refused(replaced(state, ("stateful", "next_worker"), 5),
+            r"stateful.next_worker must be < 1 \(the saved workers\), got 5", MAKERS["iterable"])
 
 
 # -- positions a crafted state may claim: bounded, and checked without building the epoch -----------

@@ -208,7 +208,7 @@ class Engine:
                 lesson=lesson, finish=self._finish, on_quick=self._note_quick,
             )
             if spec.mode is Mode.ITER:
-                self._iterable = IterableStage(spec, session, permits, self._decode, lesson, self._lease)
+                self._iterable = IterableStage(spec, session, permits, self._decode, lesson, self._lease, self.plan)
         if spec.mode is Mode.EXECUTOR:
             self._executor = spec.executor.epoch(reads, stats, budget, self._finish, base_seed=self.plan.base_seed,
                                                  pin=self.transfer is not None and spec.pin)
@@ -252,6 +252,8 @@ class Engine:
             serve = outer.create_task(session.serve())
             try:
                 await session.broadcast(StartEpoch(self.plan.base_seed, self.plan.per_sample_seeds))
+                if self._iterable is not None:
+                    self._iterable.resume()
                 async with asyncio.TaskGroup() as batches:
                     if self._iterable is not None:
                         total = await self._iterable.run(batches)

@@ -7,7 +7,16 @@ sent its task (a :class:`~aioload._engine.spec.Turn`, as round-robin dispatch of
 batches does) before it enters the layout lesson or the pool. Without that chain, a batch
 woken early from the lesson (the first epoch, while a reply teaches the layout) reached its
 worker before an earlier one: a worker's items came out of order in about one first epoch in
-four where one worker had no data."""
+four where one worker had no data.
+
+Each reply says what its task did to the worker's copy (a
+:class:`~aioload._workers.messages.CopyNote`: its state where it is Stateful, whether it ran
+out, how many items it drew). The note rides with the batch (``Ready.note``), or, for a copy
+that ran out, with the number that yields nothing (:class:`~aioload._engine.ready.Passed`), so
+that the consumer applies it exactly when it passes that batch. A resumed epoch
+(``plan.copies``) first sends each worker its copy's saved state
+(:class:`~aioload._workers.messages.ResumeCopy`) and starts the round-robin where the saved run
+was (``plan.first_worker``)."""
 
 from __future__ import annotations
 
@@ -15,7 +24,7 @@ import asyncio
 import itertools
 from typing import Callable
 
-from aioload._engine.ready import SKIP
+from aioload._engine.ready import SKIP, Passed
 from aioload._engine.spec import Failure, Turn
 from aioload._workers.messages import IterWork, Stopped
 
@@ -26,7 +35,8 @@ class IterableStage:
     ``lesson`` (the layout learned from the first batches) and ``lease`` (a batch's
     :class:`~aioload._engine.lease.Lease`, made for a sequence number once its permit is held)."""
 
-    def __init__(self, spec, session, permits, decode, lesson, lease: Callable):
+    def __init__(self, spec, session, permits, decode, lesson, lease: Callable, plan=None):
+        self.plan = plan
         self.spec = spec
         self.session = session
         self.permits = permits
@@ -36,12 +46,27 @@ class IterableStage:
         self.active = [True] * spec.num_workers  # False once a worker's copy has run out
         self._turns: list[Turn | None] = [None] * spec.num_workers  # each worker's last batch
 
+    def resume(self) -> None:
+        """A resumed epoch: each worker's copy gets its saved state before its first task
+        (messages reach a worker in the order posted); copies that had run out get no task."""
+        copies = self.plan.copies if self.plan is not None else None
+        if copies is None:
+            return
+        for wid, resume in enumerate(copies):
+            if resume is None:
+                continue
+            self.session.send(wid, resume)
+            fetcher = (resume.record or {}).get("fetcher_state") or {}
+            if fetcher.get("fetcher_ended") and not resume.fresh:
+                self.active[wid] = False
+
     async def run(self, tg: asyncio.TaskGroup) -> int:
         """Tasks go round-robin to the workers that have not run out; a worker that ran out
         yields nothing for its task and gets no more tasks. The number of batches started."""
         n = self.spec.num_workers
         active = self.active
-        cycle = itertools.cycle(range(n))
+        first = self.plan.first_worker if self.plan is not None else 0
+        cycle = itertools.cycle([(first + i) % n for i in range(n)])
         seq = 0
         outstanding: set[asyncio.Task] = set()
         while any(active):
@@ -91,8 +116,11 @@ class IterableStage:
         reply = await reply
         if isinstance(reply, Stopped):
             self.active[wid] = False
-            return SKIP
+            return SKIP if reply.copy is None else Passed((wid, reply.copy))
         decode.note_reply(reply, 1)
         if reply.errors:
             decode.raise_first(decode.task_errors(reply))
-        return decode.assemble_whole(lease, reply, samples=0)
+        item = decode.assemble_whole(lease, reply, samples=0)
+        if reply.copy is not None and item is not SKIP:
+            item.note = (wid, reply.copy)
+        return item

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from aioload._engine.ready import SKIP
+from aioload._engine.ready import skips
 from aioload._handoff.views import SlotView
 
 
@@ -69,7 +69,7 @@ class Lease:
         where it goes: back now when nothing is to be taken or a waiting consumer took it."""
         self._delivered = True
         handed = self._ready.put(self.seq, item)
-        if item is SKIP or handed:
+        if skips(item) or handed:
             self._permits.release()
 
     def sent(self) -> None:

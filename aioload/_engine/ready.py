@@ -14,12 +14,26 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any, NamedTuple
 
 SKIP = object()
 """What a sequence number holds when it yields no batch: an IterableDataset worker that ran
 out, a batch whose every sample was skipped (``on_error="skip"``) or that had no samples to
 read, an executor batch that came back empty. The consumer never sees it; its permit goes back
 to the sampler at once."""
+
+
+class Passed(NamedTuple):
+    """A sequence number that yields no batch (as :data:`SKIP`) but holds a ``note`` the
+    consumer applies when it passes the number: an IterableDataset worker's state once its
+    copy ran out."""
+
+    note: Any
+
+
+def skips(item) -> bool:
+    """Whether ``item`` yields no batch (:data:`SKIP` or :class:`Passed`)."""
+    return item is SKIP or type(item) is Passed
 
 
 class EndOfEpoch(Exception):
@@ -69,6 +83,7 @@ class ReadyQueue:
         self._hungry = False  # a thread waits in get() with nothing to take
         self._prepaid: set[int] = set()  # handed over: the engine kept their permits
         self.taken = 0
+        self._notes: list = []  # the notes of the items popped, in the order the consumer passed them
 
     def _notify(self) -> None:
         """Wake blocked threads and async waiters (call with the lock held)."""
@@ -108,7 +123,7 @@ class ReadyQueue:
         caller keeps the batch's permit and the consumer is told it owes none."""
         with self._cond:
             self._items[seq] = item
-            handed = item is not SKIP and (self._hungry or bool(self._listeners)) and self._wanted(seq)
+            handed = not skips(item) and (self._hungry or bool(self._listeners)) and self._wanted(seq)
             if handed:
                 self._hungry = False
                 self._prepaid.add(seq)
@@ -150,15 +165,28 @@ class ReadyQueue:
                     return False, None, False
                 item = self._items.pop(seq)
                 delivered.add(seq)
-                if item is not SKIP:
+                self._note(item)
+                if not skips(item):
                     return True, item, self._owed(seq)
         while self._items:
             seq = min(self._items)
             item = self._items.pop(seq)
             delivered.add(seq)
-            if item is not SKIP:
+            self._note(item)
+            if not skips(item):
                 return True, item, self._owed(seq)
         return False, None, False
+
+    def _note(self, item) -> None:
+        note = getattr(item, "note", None)
+        if note is not None:
+            self._notes.append(note)
+
+    def take_notes(self) -> list:
+        """The notes of the items the consumer passed since the last call, in that order."""
+        with self._cond:
+            notes, self._notes = self._notes, []
+            return notes
 
     def _owed(self, seq: int) -> bool:
         if seq in self._prepaid:

@@ -135,6 +135,10 @@ class Plan:
     base_seed: int
     per_sample_seeds: bool
     delivered: Any = None
+    # A resumed IterableDataset epoch: per worker, the ResumeCopy its copy starts from (None:
+    # from scratch), and the worker the epoch's first batch comes from (round-robin)
+    copies: tuple | None = None
+    first_worker: int = 0
 
 
 class Failure:
@@ -152,6 +156,9 @@ class Ready:
     samples: int
     event: Any = None
     raw: list | None = None  # num_workers=0 with a split dataset: (index, raw) pairs
+    # An IterableDataset's batch: (worker id, CopyNote), applied to the epoch's progress when
+    # the consumer takes the batch (aioload._engine.ready.ReadyQueue.take_notes)
+    note: Any = None
 
 
 class Collation(enum.Enum):

@@ -5,8 +5,8 @@ plain tuple, the class name being memoised per message) and is read by field nam
 sides. They travel as length-prefixed pickles (:mod:`aioload._workers.wire`) over a worker's task
 socket; slot memory travels on its control socket, as file descriptors.
 
-Pool to worker, in the order a worker sees them in an epoch: :class:`StartEpoch`, then
-:class:`Task` and :class:`DropSlots` in any order, :class:`CancelReads` when an epoch ends
+Pool to worker, in the order a worker sees them in an epoch: :class:`StartEpoch`, for a
+resumed ``IterableDataset`` :class:`ResumeCopy`, then :class:`Task` and :class:`DropSlots` in any order, :class:`CancelReads` when an epoch ends
 early, and :class:`Shutdown` when the loader stops its workers. Worker to pool:
 :class:`WorkerReady` or :class:`InitError` once, when it has started; then one :class:`Done`
 (or, for an ``IterableDataset``, :class:`Stopped`) per task, in the order the tasks came.
@@ -24,6 +24,15 @@ class StartEpoch(NamedTuple):
 
     base_seed: int  # the epoch's base seed (a worker's seed is base seed + worker id)
     per_sample_seeds: bool  # seed= given: every sample is seeded from (base seed, index)
+
+
+class ResumeCopy(NamedTuple):
+    """This epoch resumes a saved one: the worker's copy of the ``IterableDataset`` gets its
+    saved state back (:mod:`aioload._workers.state`) before it yields anything."""
+
+    record: dict | None  # the copy's saved record (None: nothing of it is Stateful)
+    skip: int  # a copy that is not Stateful: items to drop (those delivered before the save)
+    fresh: bool  # the saved epoch had ended: only the dataset's state applies, to a new epoch
 
 
 class RowsWork(NamedTuple):
@@ -144,6 +153,16 @@ class ReadReport(NamedTuple):
     worker: int  # the worker's id
 
 
+class CopyNote(NamedTuple):
+    """What an ``IterableDataset`` task did to the worker's copy: its state after the task's
+    items (``record``, only where the dataset or its iterator is Stateful), whether it ran out,
+    and how many items it drew (a copy that is not Stateful is fast-forwarded by them)."""
+
+    record: dict | None
+    ended: bool
+    taken: int
+
+
 class Done(NamedTuple):
     """A task finished (possibly with failures in ``errors``)."""
 
@@ -157,10 +176,12 @@ class Done(NamedTuple):
     seconds: float  # wall time of the task in the worker
     cpu_s: float | None = None  # the worker's CPU seconds on the task (None: not measured)
     reads: ReadReport | None = None  # None when the worker read nothing itself
+    copy: CopyNote | None = None  # an IterableDataset task's: the copy after it
 
 
 class Stopped(NamedTuple):
     """The worker's copy of an ``IterableDataset`` ran out: no batch for this task."""
 
     task_id: int
+    copy: CopyNote | None = None  # the copy's state once it ran out
 

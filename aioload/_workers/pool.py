@@ -202,6 +202,10 @@ class PoolSession:
         for wid in range(self.pool.num_workers):
             self._post(wid, data)
 
+    def send(self, wid: int, message) -> None:
+        """``message`` to worker ``wid`` alone, after what was posted to it before."""
+        self._post(wid, _wire.encode(message))
+
     def _post(self, wid: int, data: bytes) -> None:
         """Send ``data`` to worker ``wid`` now if its socket takes it whole, else queue it
         behind what is waiting; messages reach each worker in the order posted. A dead

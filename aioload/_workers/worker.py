@@ -26,11 +26,12 @@ from aioload._handoff.chunks import ChunkWriter
 from aioload._handoff.layout import Layout
 from aioload._handoff.writers import RowWriter, SlotWriter, column_views
 from aioload._workers.messages import (BatchOut, CancelReads, ChunkOut, Done, DropSlots, InitError, IterWork,
-                                      ReadReport, RowsOut, RowsWork, Shutdown, StartEpoch, Stopped, Task, TaskError,
-                                      WholeWork, WorkerReady)
+                                      ReadReport, ResumeCopy, RowsOut, RowsWork, Shutdown, StartEpoch, Stopped, Task,
+                                      TaskError, WholeWork, WorkerReady)
 from aioload._seeding import sample_seed, seed_everything, seed_worker
 from aioload._handoff.shm import Segment, recv_fd
 from aioload._workers.reads import FailedRead, WorkerReads
+from aioload._workers.state import CopyState
 
 SLOT_HEADER = struct.Struct("<qq")
 
@@ -91,7 +92,8 @@ class _Worker:
         self.layouts: dict[int, tuple] = {}  # slot id -> (description, Layout, column views)
         self.base_seed = cfg.base_seed
         self.per_sample_seeds = True
-        self.iterator = None
+        self.copy: CopyState | None = None  # an IterableDataset's copy in this epoch
+        self.resume: ResumeCopy | None = None  # what the epoch's copy resumes from
         self.seeded: int | None = None  # the base seed the worker's RNGs were last seeded from
         self.reads: WorkerReads | None = None  # with cfg.read_in_workers, once worker_init_fn has run
         self.inbox: queue.SimpleQueue | None = None  # with reads here: (message, reading) in arrival order
@@ -103,7 +105,8 @@ class _Worker:
         epochs (``keep_rng``, torch's persistent workers) keeps its RNG state."""
         self.base_seed = base_seed
         self.per_sample_seeds = per_sample_seeds
-        self.iterator = None
+        self.copy = None
+        self.resume = None
         if self.seeded is None or (base_seed != self.seeded and not self.cfg.keep_rng):
             self.seeded = base_seed
             _set_worker_info(self.id, self.cfg, seed_worker(base_seed, self.id))
@@ -314,28 +317,22 @@ class _Worker:
         return Done(task_id, BatchOut(payload), errors, specs, writer.overflow_wanted, seconds)
 
     def run_iter(self, task_id, slot):
+        """The next batch of this worker's copy of the IterableDataset, with what it did to the
+        copy (its state where the copy is Stateful: see :mod:`aioload._workers.state`)."""
         cfg = self.cfg
         started = time.perf_counter()
         try:
-            if self.iterator is None:
-                self.iterator = iter(cfg.dataset)
-            if cfg.auto_collation:
-                samples = []
-                for _ in range(cfg.batch_size):
-                    try:
-                        samples.append(next(self.iterator))
-                    except StopIteration:
-                        break
-                if not samples or (cfg.drop_last and len(samples) < cfg.batch_size):
-                    return Stopped(task_id)
-            else:
-                samples = [next(self.iterator)]
-        except StopIteration:
-            return Stopped(task_id)
+            if self.copy is None:
+                self.copy = CopyState(self.id, cfg.dataset, self.resume)
+                self.resume = None
+            samples = self.copy.batch(cfg.batch_size if cfg.auto_collation else None, cfg.drop_last)
         except Exception as exc:  # noqa: BLE001
             errors = [TaskError(0, None, "__iter__", pack_exception(exc))]
             return Done(task_id, BatchOut(None), errors, None, 0, time.perf_counter() - started)
-        return self.finish_batch(task_id, slot, self.writer(slot), samples, [], started, None)
+        if samples is None:
+            return Stopped(task_id, self.copy.note(0))
+        done = self.finish_batch(task_id, slot, self.writer(slot), samples, [], started, None)
+        return done._replace(copy=self.copy.note(len(samples)))
 
     def serve(self) -> None:
         while (message := self.next_message()) is not None:
@@ -347,6 +344,9 @@ class _Worker:
                 continue
             if isinstance(msg, DropSlots):
                 self.drop(msg.slot_ids)
+                continue
+            if isinstance(msg, ResumeCopy):
+                self.resume = msg
                 continue
             _wire.send_blocking(self.sock, self.run(msg, reading))
 

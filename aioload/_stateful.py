@@ -1,0 +1,253 @@
+"""The Stateful protocol on the loader's side: what ``loader.state_dict()`` holds of each
+worker's copy of an ``IterableDataset``, and how a resumed epoch hands it back.
+
+Every batch of an iterable epoch carries what its task did to the copy that made it (a
+:class:`~aioload._workers.messages.CopyNote`, made in the worker by
+:mod:`aioload._workers.state`): the copy's state after the batch's items where the dataset or
+its iterator is Stateful, whether the copy ran out, how many items it drew. :class:`Copies`
+applies those notes in the order the training loop receives the batches, so the state is that
+of the last delivered batch, exact at every step, however far the workers have run ahead.
+
+The state's ``"stateful"`` entry (a key of the state beside ``progress``)::
+
+    {"num_workers": 3,                  # the saved epoch's workers (0: loaded in process)
+     "world_size": 1,                   # torch.distributed's ranks (1 outside it)
+     "next_worker": 1,                  # the worker the epoch's next batch comes from
+     "taken": [0, 40, 39],              # items each copy delivered in the epoch
+     "workers": {"worker_0": {"worker_id": 0, "dataset_state": ..., "fetcher_state":
+                              {"dataset_iter_state": ..., "fetcher_ended": True}}, ...}}
+
+Each ``workers`` record has the shape of one worker's entry in torchdata's
+``StatefulDataLoader`` state (see docs/migration.md); its ``dataset_state`` and
+``dataset_iter_state`` are the dataset's own values, kept as they are (tensors included). Mid
+epoch, a resumed copy loads its record before it yields anything; a copy that is not Stateful
+is fast-forwarded instead, dropping its ``taken`` items (:class:`FastForwardWarning` names that
+cost). Between epochs (``progress`` is ``None``) only the ``dataset_state`` s apply, to the
+copies of the next epoch (an epoch counter, a shuffle seed). A state saved with another number
+of workers resumes its epoch from the start (:class:`~aioload._resume.ResumeWarning`): each
+worker's copy holds its own part of the stream; so does one saved with another number of ranks
+(a rank's copies hold that rank's part: each rank loads the state it saved).
+"""
+
+from __future__ import annotations
+
+import reprlib
+import warnings
+
+from aioload._resume import ResumeError, ResumeWarning
+from aioload._workers.messages import CopyNote, ResumeCopy
+
+
+class FastForwardWarning(ResumeWarning):
+    """A resumed IterableDataset that is not Stateful is fast-forwarded: its copies run
+    ``__iter__`` again and drop the items delivered before the save."""
+
+
+def bare(worker_id: int, ended: bool) -> dict:
+    """The record of a copy with nothing Stateful in it."""
+    return {"worker_id": worker_id, "dataset_state": None,
+            "fetcher_state": {"dataset_iter_state": None, "fetcher_ended": ended}}
+
+
+def _has_state(record: dict) -> bool:
+    return record["dataset_state"] is not None or record["fetcher_state"]["dataset_iter_state"] is not None
+
+
+class Copies:
+    """The copies of an IterableDataset in the epoch in progress, as of the last batch the
+    consumer received (``num_workers=0``: the one copy in this process)."""
+
+    def __init__(self, num_workers: int, world_size: int = 1):
+        n = max(1, num_workers)
+        self.num_workers = num_workers
+        self.world_size = world_size
+        self.records: list[dict | None] = [None] * n  # each copy's last Stateful record
+        self.taken = [0] * n
+        self.ended = [False] * n
+        self.last: int | None = None  # the worker of the last batch delivered
+
+    @classmethod
+    def resumed(cls, entry: dict, fresh: bool) -> "Copies":
+        """The copies as ``entry`` saved them (``fresh``: a new epoch after it)."""
+        copies = cls(entry["num_workers"], entry["world_size"])
+        for wid in range(len(copies.records)):
+            record = entry["workers"][f"worker_{wid}"]
+            copies.records[wid] = record if _has_state(record) else None
+            if not fresh:
+                copies.taken[wid] = entry["taken"][wid]
+                copies.ended[wid] = record["fetcher_state"]["fetcher_ended"]
+        if not fresh:
+            nxt = entry["next_worker"]
+            copies.last = (nxt - 1) % len(copies.records)
+        return copies
+
+    def apply(self, notes) -> None:
+        """``(worker id, CopyNote)`` pairs, in the order the consumer passed their batches."""
+        for wid, note in notes:
+            self.note(wid, note)
+
+    def note(self, wid: int, note: CopyNote) -> None:
+        self.taken[wid] += note.taken
+        self.ended[wid] = note.ended
+        if note.record is not None:
+            self.records[wid] = note.record
+        if note.taken:
+            self.last = wid
+
+    def started(self) -> bool:
+        """Whether any copy has delivered (or run out) in this epoch."""
+        return self.last is not None or any(self.ended)
+
+    def stateful(self) -> bool:
+        return any(record is not None for record in self.records)
+
+    def entry(self) -> dict:
+        """The state's ``"stateful"`` entry (see the module docstring)."""
+        n = len(self.records)
+        workers = {}
+        for wid, record in enumerate(self.records):
+            if record is None:
+                record = bare(wid, self.ended[wid])
+            elif record["fetcher_state"]["fetcher_ended"] != self.ended[wid]:
+                record = dict(record, fetcher_state=dict(record["fetcher_state"], fetcher_ended=self.ended[wid]))
+            workers[f"worker_{wid}"] = record
+        return {"num_workers": self.num_workers, "world_size": self.world_size, "next_worker": 0 if self.last is None else (self.last + 1) % n,
+                "taken": list(self.taken), "workers": workers}
+
+
+def resume_plan(entry: dict | None, mid_epoch: bool, num_workers: int, epoch: int, world_size: int = 1):
+    """What a resumed iterable epoch starts from: ``(copies, first worker, Copies)`` where
+    ``copies`` is one :class:`~aioload._workers.messages.ResumeCopy` (or ``None``) per worker,
+    or ``(None, 0, Copies(num_workers))`` where nothing applies. Warns where the epoch cannot
+    resume exactly (another number of workers)."""
+    fresh = Copies(num_workers, world_size)
+    if entry is None:
+        return None, 0, fresh
+    if entry["world_size"] != world_size:
+        if mid_epoch:
+            warnings.warn(
+                f"this state resumes epoch {epoch} from its start, not from where it was saved: it was saved on "
+                f"{entry['world_size']} ranks and this loader runs on {world_size}, and each rank's copies of an "
+                "IterableDataset hold that rank's part of the stream. Batches delivered in that epoch before the "
+                "save are delivered again", ResumeWarning, stacklevel=5)
+        return None, 0, fresh
+    if entry["num_workers"] != num_workers:
+        if mid_epoch:
+            warnings.warn(
+                f"this state resumes epoch {epoch} from its start, not from where it was saved: it was saved with "
+                f"num_workers={entry['num_workers']} and this loader has num_workers={num_workers}, and each "
+                "worker's copy of an IterableDataset holds its own part of the stream. Batches delivered in that "
+                f"epoch before the save are delivered again; resume with num_workers={entry['num_workers']} to "
+                "continue where it was", ResumeWarning, stacklevel=5)
+        return None, 0, fresh
+    warn_fast_forward(entry, mid_epoch, epoch)
+    copies = Copies.resumed(entry, fresh=not mid_epoch)
+    sent = []
+    for wid in range(len(copies.records)):
+        record = entry["workers"][f"worker_{wid}"]
+        if not mid_epoch:
+            sent.append(ResumeCopy(record, 0, True) if _has_state(record) else None)
+        else:
+            sent.append(ResumeCopy(record, entry["taken"][wid], False))
+    first = entry["next_worker"] if mid_epoch else 0
+    return tuple(sent), first, copies
+
+
+def warn_fast_forward(entry: dict | None, mid_epoch: bool, epoch: int) -> None:
+    """Name the cost of resuming the copies that are not Stateful: the items they drop."""
+    if entry is None or not mid_epoch:
+        return
+    dropped = [(int(name.split("_")[1]), entry["taken"][int(name.split("_")[1])])
+               for name, record in entry["workers"].items()
+               if not _has_state(record) and not record["fetcher_state"]["fetcher_ended"]]
+    dropped = [(wid, count) for wid, count in dropped if count]
+    if not dropped:
+        return
+    total = sum(count for _, count in dropped)
+    each = ", ".join(f"worker {wid}: {count}" for wid, count in dropped)
+    warnings.warn(
+        f"this state resumes epoch {epoch} of an IterableDataset that has no state_dict()/load_state_dict() (nor "
+        f"has its iterator) by fast-forwarding: each copy runs __iter__ again and drops the items it delivered "
+        f"before the save, {total} in all ({each}), which costs as much as loading them did. Give the dataset or "
+        "its iterator state_dict() and load_state_dict() to resume without that", FastForwardWarning, stacklevel=6)
+
+
+# -- checking a saved entry ---------------------------------------------------------------
+def _fail(path: str, problem: str) -> ResumeError:
+    return ResumeError(f"cannot load this state: {path} {problem}; pass what loader.state_dict() returned")
+
+
+_COUNT_MAX = 2**63 - 1  # items a copy may have delivered (what one iterator can be advanced by)
+
+
+def _count(value, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _fail(path, f"must be an int >= 0, got {reprlib.repr(value)}")
+    if value > _COUNT_MAX:
+        raise _fail(path, f"must be an int in [0, {_COUNT_MAX}], got {value}")
+    return value
+
+
+def check(entry, iterable: bool) -> dict | None:
+    """The state's ``"stateful"`` entry, checked field by field (the dataset's own values
+    excepted: they are the dataset's to check when it loads them)."""
+    if entry is None:
+        return None
+    if not iterable:
+        raise _fail("stateful", "must be absent: this loader's dataset is not an IterableDataset")
+    if not isinstance(entry, dict):
+        raise _fail("stateful", f"must be a dict, got {type(entry).__name__}")
+    wanted = {"num_workers", "world_size", "next_worker", "taken", "workers"}
+    if set(entry) != wanted:
+        raise _fail("stateful", f"must have the keys {sorted(wanted)}, got {sorted(map(str, entry))}")
+    workers = _count(entry["num_workers"], "stateful.num_workers")
+    if _count(entry["world_size"], "stateful.world_size") < 1:
+        raise _fail("stateful.world_size", "must be an int >= 1, got 0")
+    n = max(1, workers)
+    nxt = _count(entry["next_worker"], "stateful.next_worker")
+    if nxt >= n:
+        raise _fail("stateful.next_worker", f"must be < {n} (the saved workers), got {nxt}")
+    taken = entry["taken"]
+    if not isinstance(taken, (list, tuple)) or len(taken) != n:
+        raise _fail("stateful.taken", f"must be a list of {n} counts, got {reprlib.repr(taken)}")
+    for i, count in enumerate(taken):
+        _count(count, f"stateful.taken[{i}]")
+    records = entry["workers"]
+    names = [f"worker_{i}" for i in range(n)]
+    if not isinstance(records, dict) or sorted(records) != sorted(names):
+        raise _fail("stateful.workers", f"must map {names} to records, got {reprlib.repr(records)}")
+    for name in names:
+        _check_record(records[name], f"stateful.workers.{name}", int(name.split("_")[1]))
+    return entry
+
+
+def _check_record(record, path: str, wid: int) -> None:
+    if not isinstance(record, dict) or {"worker_id", "dataset_state", "fetcher_state"} - set(record):
+        raise _fail(path, "must be a dict with 'worker_id', 'dataset_state' and 'fetcher_state'")
+    if record["worker_id"] != wid or isinstance(record["worker_id"], bool):
+        raise _fail(f"{path}.worker_id", f"must be {wid}, got {reprlib.repr(record['worker_id'])}")
+    fetcher = record["fetcher_state"]
+    if not isinstance(fetcher, dict) or {"dataset_iter_state", "fetcher_ended"} - set(fetcher):
+        raise _fail(f"{path}.fetcher_state", "must be a dict with 'dataset_iter_state' and 'fetcher_ended'")
+    if not isinstance(fetcher["fetcher_ended"], bool):
+        raise _fail(f"{path}.fetcher_state.fetcher_ended", f"must be a bool, got {reprlib.repr(fetcher['fetcher_ended'])}")
+    _check_depth(record["dataset_state"], f"{path}.dataset_state")
+    _check_depth(fetcher["dataset_iter_state"], f"{path}.fetcher_state.dataset_iter_state")
+
+
+VALUE_DEPTH = 64
+"""How deep a dataset's own state may nest its dicts, lists and tuples (a state is copied and
+saved by recursive code, which a deeper one would overflow)."""
+
+
+def _check_depth(value, path: str) -> None:
+    """``value`` nests containers at most :data:`VALUE_DEPTH` deep (walked without recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > VALUE_DEPTH:
+            raise _fail(path, f"is nested deeper than {VALUE_DEPTH} levels")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, depth + 1) for v in item)

@@ -1,0 +1,103 @@
+"""The Stateful protocol inside a worker (or, with ``num_workers=0``, the training process):
+capturing the state of one copy of an ``IterableDataset`` after a batch, and giving it back
+before the copy yields anything.
+
+An object is *Stateful* when it has callable ``state_dict`` and ``load_state_dict`` (torchdata's
+``Stateful`` protocol, which Hugging Face ``datasets.IterableDataset`` follows). For an
+iterable, the dataset and the iterator ``iter(dataset)`` returns are each asked, once per
+epoch, when the iterator is made: where neither is Stateful nothing is captured (a batch's
+reply carries no state and costs nothing more), and a resumed copy is fast-forwarded instead,
+by dropping the items it already delivered.
+
+A copy's state is a :class:`WorkerRecord` as a dict, the shape of one worker's entry in
+torchdata's ``StatefulDataLoader`` state, so that a record written by either loader reads the
+same::
+
+    {"worker_id": 1,
+     "dataset_state": <dataset.state_dict()> | None,     # None: not Stateful, or it is its own iterator
+     "fetcher_state": {"dataset_iter_state": <iterator.state_dict()> | None,
+                       "fetcher_ended": False}}           # the copy ran out
+
+Restoring follows torchdata's order: the dataset's state, then ``iter(dataset)``, then the
+iterator's state. What the values hold is the dataset's business: they are passed on as they
+are (tensors included), never inspected.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from aioload._workers.messages import CopyNote
+
+
+def is_stateful(obj) -> bool:
+    """Whether ``obj`` follows the Stateful protocol (``state_dict`` and ``load_state_dict``)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def record(worker_id: int, dataset, iterator, ended: bool) -> dict:
+    """The state of one copy now (see the module docstring)."""
+    own = iterator is dataset
+    return {
+        "worker_id": worker_id,
+        "dataset_state": dataset.state_dict() if not own and is_stateful(dataset) else None,
+        "fetcher_state": {"dataset_iter_state": iterator.state_dict() if is_stateful(iterator) else None,
+                          "fetcher_ended": ended},
+    }
+
+
+class CopyState:
+    """One copy of an iterable in one epoch: its iterator, whether to capture its state, and
+    whether it ran out. Made when the epoch's first batch is asked of the copy; ``resume`` (a
+    :class:`~aioload._workers.messages.ResumeCopy`) gives it the saved state first."""
+
+    __slots__ = ("worker_id", "dataset", "iterator", "capture", "ended")
+
+    def __init__(self, worker_id: int, dataset, resume=None):
+        self.worker_id = worker_id
+        self.dataset = dataset
+        saved = resume.record if resume is not None else None
+        fetcher = (saved or {}).get("fetcher_state") or {}
+        if resume is not None and resume.fresh:  # a new epoch after the saved one: a new iterator
+            fetcher = {}
+        if saved is not None and saved.get("dataset_state") is not None and is_stateful(dataset):
+            dataset.load_state_dict(saved["dataset_state"])
+        self.iterator: Any = iter(dataset)
+        self.capture = is_stateful(dataset) or is_stateful(self.iterator)
+        self.ended = bool(fetcher.get("fetcher_ended", False))
+        if saved is not None and fetcher.get("dataset_iter_state") is not None and is_stateful(self.iterator):
+            self.iterator.load_state_dict(fetcher["dataset_iter_state"])
+        elif resume is not None and resume.skip and not self.capture and not self.ended:
+            # Not Stateful: drop what was delivered before the save (its cost is the warning's)
+            self.iterator = _dropped(self.iterator, resume.skip)
+
+    def note(self, taken: int) -> CopyNote:
+        """What a task did to the copy (a :class:`~aioload._workers.messages.CopyNote`): its
+        record only where something in it is Stateful (the only cost of the protocol)."""
+        state = record(self.worker_id, self.dataset, self.iterator, self.ended) if self.capture else None
+        return CopyNote(state, self.ended, taken)
+
+    def batch(self, batch_size: int | None, drop_last: bool) -> list | None:
+        """The next batch's items (one item for ``batch_size=None``); ``None`` once the copy has
+        run out (as torch's fetcher: an iterator that ended is not asked again)."""
+        if self.ended:
+            return None
+        if batch_size is None:
+            try:
+                return [next(self.iterator)]
+            except StopIteration:
+                self.ended = True
+                return None
+        items = list(itertools.islice(self.iterator, batch_size))
+        if len(items) < batch_size:
+            self.ended = True
+        if not items or (drop_last and len(items) < batch_size):
+            return None
+        return items
+
+
+def _dropped(iterator, count: int):
+    """``iterator`` past its first ``count`` items."""
+    next(itertools.islice(iterator, count, count), None)
+    return iterator

@@ -1,0 +1,178 @@
+"""The Stateful protocol: an IterableDataset (or its iterator) with ``state_dict()`` /
+``load_state_dict()`` has its state captured in each worker with every batch, saved by
+``loader.state_dict()`` as of the last batch delivered, and given back to each worker before it
+yields anything; one without resumes by fast-forwarding. Real worker processes throughout."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import aioload
+from aioload._resume import ResumeWarning
+from aioload._stateful import FastForwardWarning
+from tests.stateful_data import Counted, RandomWalk, Uneven, identity
+
+SIZES = [0, 100, 37]  # uneven, one worker empty
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+def make(dataset, **kwargs):
+    kwargs.setdefault("collate_fn", identity)
+    return aioload.DataLoader(dataset, **kwargs)
+
+
+def saved(state: dict) -> dict:
+    """What a checkpoint keeps: ``torch.save`` and a full load (the dataset's states may hold tensors)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def interrupted(factory, k: int, epochs_before: int = 0):
+    """``(batches before the save, state)``: ``epochs_before`` whole epochs, then ``k`` batches."""
+    with factory() as loader:
+        head = [b for _ in range(epochs_before) for b in loader]
+        it = iter(loader)
+        head += [next(it) for _ in range(k)]
+        return head, saved(loader.state_dict())
+
+
+def resumed(factory, state, epochs: int = 1):
+    with factory() as loader:
+        loader.load_state_dict(state)
+        return [b for _ in range(epochs) for b in loader]
+
+
+@pytest.mark.parametrize("batch_size", [None, 4])
+@pytest.mark.parametrize("k", [0, 1, 7, 60])
+def test_a_stateful_iterable_resumes_exactly_with_uneven_workers(batch_size, k):
+    def factory():
+        return make(Counted(SIZES), num_workers=3, batch_size=batch_size)
+
+    with factory() as loader:
+        full = list(loader)
+    assert full == list(torch.utils.data.DataLoader(Counted(SIZES), num_workers=3, batch_size=batch_size,
+                                                    collate_fn=identity))
+    head, state = interrupted(factory, min(k, len(full)))
+    if k:  # at k=0 the state is the epoch's start, with nothing of the copies
+        assert state["stateful"]["num_workers"] == 3
+        assert state["stateful"]["workers"]["worker_1"]["dataset_state"]["position"] > 0
+    assert head + resumed(factory, state) == full
+
+
+def test_every_step_is_a_snapshot_however_far_the_workers_ran_ahead():
+    # the state after batch k is that of batch k, not of what the workers made meanwhile
+    with make(Counted([50, 50]), num_workers=2, batch_size=2, queue_depth=8) as loader:
+        states = []
+        for batch in loader:
+            states.append((batch, loader.state_dict()))
+    for batch, state in states[:20]:
+        records = state["stateful"]["workers"]
+        (last, _), wid = batch[-1], (batch[-1][0] >= 50)
+        assert records[f"worker_{int(wid)}"]["dataset_state"]["position"] == last - 50 * wid + 1
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_persistent_workers_resume_mid_epoch_across_epochs_and_twice(in_order):
+    def factory():
+        return make(Counted(SIZES), num_workers=3, batch_size=4, persistent_workers=True, in_order=in_order)
+
+    with factory() as loader:
+        full = [b for _ in range(3) for b in loader]  # each epoch's items carry its epoch number
+    assert {epoch for b in full for _, epoch in b} == {0, 1, 2}
+    head, first = interrupted(factory, 5, epochs_before=1)
+    with factory() as loader:  # a resumed run, saved again mid-epoch
+        loader.load_state_dict(first)
+        it = iter(loader)
+        middle = [next(it) for _ in range(3)]
+        second = saved(loader.state_dict())
+    rest = resumed(factory, second, epochs=2)
+    got = head + middle + rest
+    if in_order:
+        assert got == full
+    else:  # any interleaving of the workers, each worker's items in its own order, nothing twice
+        assert sorted(i for b in got for i in b) == sorted(i for b in full for i in b)
+        for low, high in ((0, 100), (100, 137)):
+            mine = [i for b in got for i in b if low <= i[0] < high]
+            assert mine == sorted(mine, key=lambda item: (item[1], item[0]))
+
+
+def test_between_epochs_the_copies_states_carry_to_the_next_epoch():
+    def factory():
+        return make(Counted([3, 4]), num_workers=2, persistent_workers=True)
+
+    with factory() as loader:
+        full = [b for _ in range(2) for b in loader]
+    with factory() as loader:
+        list(loader)
+        end_of_first = saved(loader.state_dict())
+    assert end_of_first["progress"] is None
+    assert resumed(factory, end_of_first) == full[len(full) // 2:]  # epoch 1's items, numbered 1
+
+
+def test_in_process_the_dataset_itself_is_resumed():
+    def factory():
+        return make(Counted([37]), batch_size=5)
+
+    with factory() as loader:
+        full = list(loader)
+    head, state = interrupted(factory, 3)
+    assert state["stateful"]["num_workers"] == 0
+    assert state["stateful"]["workers"]["worker_0"]["dataset_state"] == {"position": 15, "epoch": 0}
+    assert head + resumed(factory, state) == full
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_holding_tensors_resumes_the_iterators_random_draws(num_workers):
+    def factory():
+        torch.manual_seed(5)  # in process, the walk draws from torch's global RNG: the same at each start
+        return make(RandomWalk(30), num_workers=num_workers, generator=torch.Generator().manual_seed(3))
+
+    with factory() as loader:
+        full = list(loader)
+    head, state = interrupted(factory, 9)
+    record = state["stateful"]["workers"]["worker_0"]
+    assert record["dataset_state"] is None  # the dataset is its own iterator: saved once, as torchdata does
+    assert isinstance(record["fetcher_state"]["dataset_iter_state"]["rng"], torch.Tensor)
+    assert head + resumed(factory, state) == full
+
+
+def test_without_a_state_the_copies_are_fast_forwarded_and_the_cost_named():
+    def factory():
+        return make(Uneven(SIZES), num_workers=3, batch_size=4)
+
+    with factory() as loader:
+        full = list(loader)
+    head, state = interrupted(factory, 9)
+    assert state["stateful"]["taken"] == [0, 20, 16]
+    with factory() as loader:
+        loader.load_state_dict(state)
+        with pytest.warns(FastForwardWarning, match=r"drops the items it delivered before the save, 36 in all "
+                                                    r"\(worker 1: 20, worker 2: 16\)"):
+            rest = list(loader)
+    assert head + rest == full
+
+
+def test_another_number_of_workers_restarts_the_epoch_with_a_warning():
+    head, state = interrupted(lambda: make(Counted([10, 10, 10]), num_workers=3), 5)
+    with make(Counted([10, 10, 10]), num_workers=2) as loader:
+        whole = list(loader)
+    with make(Counted([10, 10, 10]), num_workers=2) as loader:
+        loader.load_state_dict(state)
+        with pytest.warns(ResumeWarning, match=r"saved with num_workers=3 and this loader has num_workers=2"):
+            batches = list(loader)
+    assert batches == whole  # the whole epoch again, as 2 workers load it
+
+
+def test_the_state_is_checked_at_load():
+    _, state = interrupted(lambda: make(Counted(SIZES), num_workers=3), 5)
+    state["stateful"]["workers"]["worker_2"]["worker_id"] = 7
+    with make(Counted(SIZES), num_workers=3) as loader:
+        with pytest.raises(ValueError, match=r"^cannot load this state: stateful.workers.worker_2.worker_id must "
+                                             r"be 2, got 7; pass what loader.state_dict\(\) returned$"):
+            loader.load_state_dict(state)
