@@ -23,23 +23,25 @@ def roundtrip(state: dict) -> dict:
 
 def piece(make: Callable, key: Callable, epochs: int, state: dict | None = None, stop: int | None = None,
           loading=contextlib.nullcontext, first: int = 0, on_epoch: Callable | None = None) -> tuple[list, dict | None, int]:
-    """From a new loader (``state`` loaded into it, inside ``loading()``), iterate epochs
+    """From a new loader (``state`` loaded into it; the load and the run inside ``loading()``,
+    since a resumed epoch says what it costs when it starts), iterate epochs
     ``first`` to ``epochs - 1`` (``on_epoch(loader, epoch)`` before each: the training loop's
     ``set_epoch``), stopping after ``stop`` batches (``None``: to the end). Returns what it
-    delivered (``key`` of each batch), the state saved at the stop (``None`` without one) and
-    the epoch the stop fell in."""
+    delivered (``key`` of each batch), the checkpoint saved at the stop (``None`` without one):
+    the loader's state and torch's global RNG state, which a training script saves and restores
+    (the loader draws each epoch's seeds from it without ``seed=``), and the epoch the stop fell in."""
     seen: list = []
-    with make() as loader:
+    with make() as loader, (loading() if state is not None else contextlib.nullcontext()):
         if state is not None:
-            with loading():
-                loader.load_state_dict(state)
+            torch.set_rng_state(state["torch_rng"])  # the training script's own, from its checkpoint
+            loader.load_state_dict(state["loader"])
         for epoch in range(first, epochs):
             if on_epoch is not None:
                 on_epoch(loader, epoch)
             for batch in loader:
                 seen.append(key(batch))
                 if stop is not None and len(seen) == stop:
-                    return seen, roundtrip(loader.state_dict()), epoch
+                    return seen, roundtrip({"loader": loader.state_dict(), "torch_rng": torch.get_rng_state()}), epoch
     return seen, None, epochs
 
 

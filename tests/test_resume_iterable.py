@@ -12,12 +12,13 @@ leaves worker 1 without any.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
 
 import aioload
-from aioload._resume import ResumeWarning
+from aioload._stateful import FastForwardWarning
 from tests.iterable_data import Counted, CountedIter, Noisy, Plain, items
 from tests.resumption import piece, resumed, roundtrip, uninterrupted
 
@@ -32,8 +33,15 @@ def loading(kind: str):
     """What loading a mid-epoch state of ``kind`` says: nothing for a Stateful dataset; for
     one without state, that the epoch is read again up to the saved position."""
     if kind == "plain" or kind == "noisy":
-        return lambda: pytest.warns(ResumeWarning, match="fast-forward")
+        return lambda: pytest.warns(FastForwardWarning, match="by fast-forwarding")
     return contextlib.nullcontext
+
+
+@contextlib.contextmanager
+def may_fast_forward():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FastForwardWarning)
+        yield
 
 
 def factory(kind: str, sizes=SIZES, **kwargs):
@@ -71,8 +79,9 @@ def test_a_state_saved_after_the_epochs_last_batch_resumes_into_an_empty_rest(ki
     make = factory(kind)
     full = uninterrupted(make, items, epochs=2)
     # Saved with the epoch's last batch, before the loop saw its end: the resumed loader's first
-    # iteration yields nothing, the second is the next epoch.
-    assert resumed(make, items, [len(full) // 2], epochs=2, loading=loading(kind)) == full
+    # iteration yields nothing, the second is the next epoch. Every copy had run out, so nothing
+    # is read again: no fast-forward to warn of.
+    assert resumed(make, items, [len(full) // 2], epochs=2) == full
 
 
 @pytest.mark.parametrize("kind", ["stateful", "plain"])
@@ -119,7 +128,7 @@ def test_persistent_workers_take_a_state_loaded_into_the_same_loader(kind):
         assert head == full[:per_epoch]
         with loading(kind)():
             loader.load_state_dict(state)
-        rest = [items(b) for b in loader]
+            rest = [items(b) for b in loader]
         again = [items(b) for b in loader]
     assert rest == full[3:per_epoch]
     assert again == full[per_epoch:]
@@ -132,7 +141,9 @@ def test_out_of_order_delivery_resumes_every_item_once(kind):
     make = factory(kind, in_order=False)
     expected = sorted(i for batch in uninterrupted(make, items) for i in batch)
     for stops in ([2], [3, 1]):
-        got = resumed(make, items, stops, loading=loading(kind))
+        # Whether a copy without state has items to drop depends on which batches came first
+        # (three of worker 2's leave it run out and nothing to replay): the warning may or may not come.
+        got = resumed(make, items, stops, loading=may_fast_forward)
         assert sorted(i for batch in got for i in batch) == expected, stops
 
 
@@ -160,7 +171,7 @@ def test_a_stateful_dataset_starts_where_its_state_says_instead_of_replaying():
     full = uninterrupted(make, items)
     head, state, _ = piece(make, items, 1, stop=2)
     with make() as loader:
-        loader.load_state_dict(state)
+        loader.load_state_dict(state["loader"])
         rest = [items(b) for b in loader]
         starts = loader.dataset.starts
     assert head + rest == full
