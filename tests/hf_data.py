@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 BUFFER = 8  # the shuffle buffer: a few rows, so that a save lands with rows held in it
 
 
@@ -58,8 +60,8 @@ def stream(paths: list[str], shuffle: bool = False, seed: int = 0, rank: int | N
 
 def ids(batch) -> list[int] | int:
     """A batch's row ids (a row's id with ``batch_size=None``), checked against its derived column."""
-    got = batch["id"].tolist()
-    double = batch["double"].tolist()
+    got = torch.as_tensor(batch["id"]).tolist()  # batch_size=None leaves a row uncollated
+    double = torch.as_tensor(batch["double"]).tolist()
     if (double != [i * 2 for i in got]) if isinstance(got, list) else double != got * 2:
         raise AssertionError(f"the mapped column does not follow its rows: {got} {double}")
     return got

@@ -19,12 +19,12 @@ import torch
 import aioload
 from tests.frameworks.launch import LAUNCH_TIMEOUT, SCRIPTS, run_ranks
 from tests.hf_data import ids, stream, write_files
-from tests.resumption import resumed, uninterrupted
+from tests.resumption import resumed, roundtrip, uninterrupted
 
 pytest.importorskip("datasets")
 pytestmark = pytest.mark.timeout(240)
 
-ROWS = 24  # per file; 4 files: 96 rows, 24 batches of 4 (2 workers: 12 each, a file each... two)
+ROWS = 24  # per file; 4 files: 96 rows, 24 batches of 4 (2 workers: 2 files and 12 batches each)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,21 @@ def test_a_reshuffled_stream_resumes_in_its_second_epoch(files, persistent):
     assert full[:per_epoch] != full[per_epoch:]  # set_epoch reshuffled it
     assert resumed(make, ids, [per_epoch + 3, 6], epochs=2, on_epoch=set_dataset_epoch) == full
     assert resumed(make, ids, [4, per_epoch], epochs=2, on_epoch=set_dataset_epoch) == full  # saved in each epoch
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_saved_between_epochs_resumes_the_next_epoch_whole(files, workers):
+    # The stream's state after its epoch ran out says "at the end"; handed to the next epoch's
+    # copies (which do not call set_epoch here, so the state's epoch matches theirs) it would
+    # leave that epoch empty.
+    make = factory(files["parquet"], False, workers)
+    full = uninterrupted(make, ids, epochs=2)
+    with make() as loader:
+        first = [ids(b) for b in loader]
+        state = roundtrip(loader.state_dict())
+    with make() as loader:
+        loader.load_state_dict(state)
+        assert first + [ids(b) for b in loader] == full
 
 
 @pytest.mark.parametrize("batch_size", [None, 3])

@@ -196,3 +196,21 @@ def test_workers_zero_resumes_in_the_loading_process(kind):
     full = uninterrupted(make, items, epochs=2)
     assert full == torch_batches(kind, num_workers=0, epochs=2)
     assert resumed(make, items, [3, 4], epochs=2, loading=loading(kind)) == full
+
+
+@pytest.mark.parametrize("kind", ["stateful", "stateful-iterator", "plain"])
+@pytest.mark.parametrize("workers", [0, 3])
+def test_a_state_saved_between_epochs_resumes_the_next_epoch_whole(kind, workers):
+    # Saved after the loop saw the epoch's end: the next epoch is a new one, as in the
+    # uninterrupted run. A Stateful copy's state at that point says "at the end of the stream"
+    # (torchdata's protocol: load_state_dict sets where the next __iter__ starts), so it must not
+    # be handed to the next epoch's copies, which would then have nothing left to yield.
+    make = factory(kind, num_workers=workers)
+    full = uninterrupted(make, items, epochs=2)
+    with make() as loader:
+        first = [items(b) for b in loader]
+        state = roundtrip(loader.state_dict())
+    assert state["progress"] is None
+    with make() as loader:
+        loader.load_state_dict(state)
+        assert first + [items(b) for b in loader] == full
