@@ -12,7 +12,6 @@ leaves worker 1 without any.
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch
 import aioload
 from aioload._stateful import FastForwardWarning
 from tests.iterable_data import Counted, CountedIter, Noisy, Plain, items
-from tests.resumption import piece, resumed, roundtrip, uninterrupted
+from tests.resumption import may_fast_forward, piece, resumed, roundtrip, uninterrupted
 
 # three workers on a two-core machine: torch (and aioload, in its words) warn that it is too many
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
@@ -35,13 +34,6 @@ def loading(kind: str):
     if kind == "plain" or kind == "noisy":
         return lambda: pytest.warns(FastForwardWarning, match="by fast-forwarding")
     return contextlib.nullcontext
-
-
-@contextlib.contextmanager
-def may_fast_forward():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FastForwardWarning)
-        yield
 
 
 def factory(kind: str, sizes=SIZES, **kwargs):
