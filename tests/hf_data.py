@@ -58,6 +58,20 @@ def stream(paths: list[str], shuffle: bool = False, seed: int = 0, rank: int | N
     return ds
 
 
+class Replayed(torch.utils.data.IterableDataset):
+    """A stream without ``state_dict``/``load_state_dict`` of its own: a loader resumes it by
+    replaying it (fast-forward), which holds the rows a shuffle buffer held at the save."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __iter__(self):
+        return iter(self.dataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+
 def ids(batch) -> list[int] | int:
     """A batch's row ids (a row's id with ``batch_size=None``), checked against its derived column."""
     got = torch.as_tensor(batch["id"]).tolist()  # batch_size=None leaves a row uncollated

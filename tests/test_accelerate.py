@@ -257,8 +257,8 @@ def test_a_prepared_loaders_delivered_count_is_checked_at_load():
 
 
 def test_use_stateful_dataloader_resumes_a_streaming_dataset_on_every_rank(tmp_path):
-    # tests/frameworks/accelerate_stateful_run.py: a Hugging Face stream split by node, shuffled,
-    # 12 batches an epoch and rank; save_state after step 7, load_state in a new Accelerator.
+    # tests/frameworks/accelerate_stateful_run.py: a Hugging Face stream split by node, 12 batches
+    # an epoch and rank; save_state after step 7, load_state in a new Accelerator.
     pytest.importorskip("datasets")
     from tests.hf_data import write_files
 

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import aioload
+from aioload._stateful import FastForwardWarning
 from tests.frameworks.launch import LAUNCH_TIMEOUT, SCRIPTS, run_ranks
-from tests.hf_data import ids, stream, write_files
+from tests.hf_data import Replayed, ids, stream, write_files
 from tests.resumption import may_fast_forward, resumed, roundtrip, uninterrupted
 
 pytest.importorskip("datasets")
@@ -74,6 +75,18 @@ def test_the_uninterrupted_run_is_torchs(files):
     assert uninterrupted(factory(files["parquet"], True, 2), ids) == [ids(b) for b in torch_loader]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shuffled_stream_without_its_own_state_resumes_by_replaying_it(files, workers):
+    # The way docs/reproducibility.md gives to resume a shuffle buffer exactly: the stream behind
+    # a dataset that has no state of its own, which the loader fast-forwards.
+    def make():
+        return aioload.DataLoader(Replayed(stream(files["parquet"], shuffle=True)), batch_size=4, num_workers=workers)
+
+    full = uninterrupted(make, ids, epochs=2, on_epoch=set_dataset_epoch)
+    expect = lambda: pytest.warns(FastForwardWarning, match="by fast-forwarding")  # noqa: E731
+    assert resumed(make, ids, [5, 9 + len(full) // 2], epochs=2, on_epoch=set_dataset_epoch, loading=expect) == full
+
+
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
 def test_a_reshuffled_stream_resumes_in_its_second_epoch(files, persistent):
     make = factory(files["parquet"], True, 2, persistent_workers=persistent)
@@ -100,6 +113,17 @@ def test_a_state_saved_between_epochs_resumes_the_next_epoch_whole(files, worker
         assert first + [ids(b) for b in loader] == full
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_epoch_after_a_resumed_one_is_whole(files, workers):
+    # Two epochs, no set_epoch on the stream (the loop torch's DataLoader users write): the
+    # resumed copies loaded the saved position, and the next epoch must not start there again
+    # (datasets keeps a loaded state and applies it to every later __iter__ of the same epoch
+    # number; torch's workers are new copies each epoch).
+    make = factory(files["parquet"], False, workers)
+    full = uninterrupted(make, ids, epochs=2)
+    assert resumed(make, ids, [5], epochs=2) == full
+
+
 @pytest.mark.parametrize("batch_size", [None, 3])
 def test_row_by_row_and_odd_batches_resume(files, batch_size):
     make = factory(files["json"], True, 2, batch_size=batch_size)
@@ -123,8 +147,10 @@ def test_each_nodes_split_resumes_on_its_own(files, name):
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
-def test_two_torchrun_ranks_resume_their_own_streams(files, tmp_path):
-    run_ranks(SCRIPTS / "hf_stream_run.py", [str(tmp_path), *files["parquet"]], world=2)
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "shuffled"])
+def test_two_torchrun_ranks_resume_their_own_streams(files, tmp_path, shuffle):
+    run_ranks(SCRIPTS / "hf_stream_run.py", [str(tmp_path), *(["--shuffle"] if shuffle else []), *files["parquet"]],
+              world=2)
     runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for run in runs:
         assert len(run["full"]) == 24  # 2 epochs of 12 batches: 48 rows of its 2 files, 2 workers

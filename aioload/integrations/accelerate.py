@@ -20,7 +20,8 @@ Accelerate never learns where an epoch ends: ``gradient_state.end_of_dataloader`
 It also registers the loader for ``accelerator.save_state()``/``load_state()``: a resumed run
 continues on every rank at the batch where the saved one stopped, with no batches to skip,
 also on another number of processes (the rest of the epoch is dealt over them, and
-``end_of_dataloader`` comes with its last batch there).
+``end_of_dataloader`` comes with its last batch there). Over an ``IterableDataset`` each rank's
+position is its own: the saved state holds every rank's and resumes on as many processes.
 ``accelerator.skip_first_batches`` would rebuild the loader as a torch DataLoader; use this
 module's :func:`skip_first_batches` where skipping is still wanted.
 """

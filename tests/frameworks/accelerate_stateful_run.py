@@ -9,8 +9,8 @@ torchdata's ``StatefulDataLoader`` and saves their state in ``save_state`` (``dl
 instead of skipping batches on resume; a training script written for it calls ``load_state``
 and no ``skip_first_batches``. The aioload loader goes through
 ``aioload.integrations.accelerate.prepare`` beside such a torch loader. Each rank streams its
-``split_dataset_by_node`` share of the Parquet FILEs (shuffled with a buffer, reshuffled each
-epoch, 2 workers): 12 batches an epoch and rank. It writes ``OUT/rank<r>.json`` with, per step,
+``split_dataset_by_node`` share of the Parquet FILEs (in file order, 2 workers; a shuffle
+buffer's own resume is tests/test_resume_hf.py's): 12 batches an epoch and rank. It writes ``OUT/rank<r>.json`` with, per step,
 the row ids, ``sync_gradients`` and ``end_of_dataloader`` (``gradient_accumulation_steps=3``)
 of 20 steps uninterrupted (``full``), of 7 steps then ``save_state`` (``first``), and of a new
 Accelerator and loader after ``load_state``, on to step 20 (``rest``).
@@ -40,7 +40,7 @@ def accelerator(out: str) -> Accelerator:
 def loaders(acc: Accelerator, paths: list[str]):
     """The aioload loader over this rank's share, and a torch loader Accelerate prepares (on
     torchdata's StatefulDataLoader) beside it, as a script's evaluation loader would be."""
-    dataset = stream(paths, shuffle=True, rank=acc.process_index, world=acc.num_processes)
+    dataset = stream(paths, rank=acc.process_index, world=acc.num_processes)
     loader = prepare(acc, aioload.DataLoader(dataset, batch_size=4, num_workers=2))
     side = acc.prepare(torch.utils.data.DataLoader(list(range(16)), batch_size=2))
     return loader, side
@@ -53,7 +53,7 @@ def train(acc: Accelerator, loader, steps: int, epoch: int = 0, done: int = 0) -
     seen = []
     while done < steps:
         loader.set_epoch(epoch)
-        loader.dataset.set_epoch(epoch)  # the stream's own reshuffle
+        loader.dataset.set_epoch(epoch)  # the stream's own epoch (its reshuffle, where it shuffles)
         for batch in loader:
             with acc.accumulate(model):
                 acc.backward(model(batch["double"].float().view(-1, 1)).pow(2).mean())

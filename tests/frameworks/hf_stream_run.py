@@ -1,10 +1,10 @@
 """A Hugging Face streaming dataset resumed under two torchrun ranks; run by
 tests/test_resume_hf.py through ``run_ranks`` (torchrun's environment, gloo)::
 
-    python tests/frameworks/hf_stream_run.py OUT FILE...   # as each rank
+    python tests/frameworks/hf_stream_run.py OUT [--shuffle] FILE...   # as each rank
 
-Each rank streams its ``split_dataset_by_node`` share of the Parquet FILEs, shuffled with a
-buffer and reshuffled each epoch, through an aioload loader with 2 workers, and writes
+Each rank streams its ``split_dataset_by_node`` share of the Parquet FILEs (with ``--shuffle``
+shuffled with a buffer and reshuffled each epoch) through an aioload loader with 2 workers, and writes
 ``OUT/rank<r>.json``: the row ids of every batch of two epochs uninterrupted (``full``); of a
 run stopped after 7 batches (``first``), whose every rank's state is gathered into one
 checkpoint that rank 0 writes; of a new loader that loads its own rank's state from it and
@@ -39,12 +39,12 @@ def checkpoint(state: dict, path: str) -> dict:
     return torch.load(path, weights_only=True)["loaders"][dist.get_rank()]
 
 
-def main(out: str, paths: list[str]) -> None:
+def main(out: str, paths: list[str], shuffle: bool) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def make():
-        return aioload.DataLoader(stream(paths, shuffle=True, rank=rank, world=world), batch_size=4, num_workers=2)
+        return aioload.DataLoader(stream(paths, shuffle=shuffle, rank=rank, world=world), batch_size=4, num_workers=2)
 
     def on_epoch(loader, epoch):
         loader.dataset.set_epoch(epoch)
@@ -61,4 +61,5 @@ def main(out: str, paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    shuffled = sys.argv[2] == "--shuffle"
+    main(sys.argv[1], sys.argv[3 if shuffled else 2:], shuffled)

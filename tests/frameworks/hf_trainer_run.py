@@ -11,8 +11,9 @@ and loader resumed from that checkpoint (``rest``).
 The recipe in docs/integrations.md is :class:`AioloadTrainer` and :class:`LoaderState`.
 
 ``python tests/frameworks/hf_trainer_run.py OUT --stream FILE...`` does the same over a Hugging
-Face streaming dataset of the Parquet FILEs (shuffled with a buffer, mapped, 2 workers: 10
-batches an epoch), which has no ``len()``: 14 steps (``max_steps``), a checkpoint at step 7.
+Face streaming dataset of the Parquet FILEs (mapped, in file order, 2 workers: 10 batches an
+epoch; a shuffle buffer's own resume is tests/test_resume_hf.py's), which has no ``len()``: 14
+steps (``max_steps``), a checkpoint at step 7.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def run_stream(out: str, paths: list[str], max_steps: int, checkpoint: str | Non
 
     torch.manual_seed(0)
     model = StreamModel()
-    loader = aioload.DataLoader(stream(paths, shuffle=True), batch_size=4, num_workers=2)
+    loader = aioload.DataLoader(stream(paths), batch_size=4, num_workers=2)
     trainer = AioloadTrainer(model=model, args=arguments(out, max_steps=max_steps, **kwargs), train_loader=loader)
     with loader:
         if checkpoint is None:
