@@ -149,6 +149,11 @@ class EpochIterator:
     def __len__(self) -> int:
         return len(self._source)
 
+    @property
+    def unstarted(self) -> bool:
+        """Made, and its epoch not started yet (that happens at the first ``next()``)."""
+        return self._ctx is None and not self._done
+
     def __next__(self):
         with profiled(self._RANGE):
             return self._next_checked()

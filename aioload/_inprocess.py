@@ -16,7 +16,7 @@ from aioload._engine.budget import SKIPPED, AllSkipped, run_in_process
 from aioload._compat import LOADING, WAITING_ASYNC, profiled
 from aioload._epoch import EpochContext, EpochIterator, EpochSource
 from aioload._seeding import sample_seed, seed_everything
-from aioload._workers.state import CopyState
+from aioload._workers.state import CopyState, dataset_note
 
 if TYPE_CHECKING:
     from aioload._engine.budget import ErrorBudget
@@ -61,9 +61,13 @@ class InProcessIterator(EpochIterator):
             seq, indices = next(ctx.plan.batches)
             ctx.plan.delivered.add(seq)
             try:
-                return _fetch_map(ctx, indices)
+                batch = _fetch_map(ctx, indices)
             except AllSkipped:
                 continue
+            copies = ctx.progress.copies
+            if copies is not None:  # a Stateful dataset: its state after this batch
+                copies.note(0, dataset_note(0, ctx.dataset))
+            return batch
 
     def _next(self, ctx: EpochContext):
         started = time.perf_counter()

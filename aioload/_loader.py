@@ -42,6 +42,7 @@ from aioload._engine.ready import ReadyQueue
 from aioload._resources import LIVE, Resources, finalize_loader, watch_exit
 from aioload._sampling import EpochProgress, Planner, shard_sampler
 from aioload._seeding import derive_seed
+from aioload import _stateful
 from aioload._engine.spec import BatchBound, Mode, Plan, Reads, Shared, Spec
 from aioload._observe.stats import LoaderStats, StatsRecorder, dataset_figures
 from aioload._observe.tune import check_knob, is_auto, make_tuner
@@ -214,6 +215,7 @@ class DataLoader(Generic[_T_co]):
         self._planner = Planner(self._torch, seed, self._seed_generator, isinstance(dataset, IterableDataset))
         self._resume: dict | None = None  # a loaded state, applied by the next iteration
         self._progress: EpochProgress | None = None  # the epoch in progress, for state_dict()
+        self._pending: weakref.ref | None = None  # the last iterator made, while it may not have started
         # The last epoch fed by the engine, while its iterator holds it (a weak reference: what the
         # epoch holds, its engine and queue, must not outlive its iterator).
         self._running: weakref.ref[EpochContext] | None = None
@@ -334,6 +336,11 @@ class DataLoader(Generic[_T_co]):
         epoch's start. See docs/reproducibility.md."""
         if self._resume is not None:
             return self._planner.resume_state(self._resume)
+        pending = self._pending() if self._pending is not None else None
+        if pending is not None and pending.unstarted:
+            # iter() was called and its epoch not started (it starts at the first next()): the
+            # state of that epoch's start, with the generators it will draw from
+            return self._planner.start_state(self._next_epoch)
         return self._planner.state_dict(self._next_epoch, self._progress)
 
     def load_state_dict(self, state: dict) -> None:
@@ -344,6 +351,7 @@ class DataLoader(Generic[_T_co]):
         self._resume = self._planner.load(state)
         self._next_epoch = self._resume["epoch"]
         self._progress = None
+        self._pending = None
 
     def set_weights(self, weights) -> None:
         """Change the weights of the :class:`aioload.Mix` this loader draws from, from the next
@@ -569,6 +577,7 @@ class DataLoader(Generic[_T_co]):
                 exact_seeds=self.seed is not None,
                 keep_rng=self.persistent_workers and self.seed is None,
                 batched_fetch=self._batched_fetch,
+                stateful=not self._iterable and _stateful.is_stateful(self.dataset),
                 read_in_workers=settings.read_in_workers, read_limit=read_limit, read_ceiling=read_ceiling,
                 read_timeout=self.read_timeout,
             )
@@ -590,8 +599,11 @@ class DataLoader(Generic[_T_co]):
             self._iterated = True
             warn_as_torch_iterator(self._torch, self.num_workers > 0 and self.executor is None, self.pin_memory)
         if self.num_workers == 0 and not self._split and self.executor is None:
-            return InProcessIterator(self)
-        return EngineIterator(self)
+            iterator: EngineIterator | InProcessIterator = InProcessIterator(self)
+        else:
+            iterator = EngineIterator(self)
+        self._pending = weakref.ref(iterator)  # until its first next(), state_dict() is its epoch's start
+        return iterator
 
     def _begin_epoch(self) -> _PoolSettings:
         """An iterator starts: the epoch in progress, if any, ends (one epoch at a time)."""

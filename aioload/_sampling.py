@@ -372,6 +372,7 @@ class Planner:
                 # epoch draws inside this block, from the saved state).
                 first = [] if lazy and not saved else list(itertools.islice(sampler_iter, 1))
                 pairs = enumerate(itertools.chain(first, sampler_iter))
+            drawn = torch.get_rng_state() if any(entry["global"] for entry in saved.values()) else None
         if progress is not None:
             if progress["base_seed"] != base and progress["batches"] is None and progress["inexact"] is None:
                 raise _resume.ResumeError(
@@ -388,14 +389,22 @@ class Planner:
         replayable = _replayable(t._index_sampler) and not (progress is not None and progress["batches"] is not None)
         numbered = _Numbered(pairs, skip, delivered, record=not replayable and not self.iterable,
                              limit=_len_or_none(t._index_sampler), tally=self.tally.pulled if self.tally else None)
+        if lazy and progress is not None and not len(skip) and not _taken(resume) and drawn is not None:
+            # A state saved after iter() and before the epoch's first batch, loaded in process:
+            # the epoch goes on drawing from torch's global RNG as the saved run's epoch did (the
+            # dataset's own random draws too), from where the plan's draws left it
+            torch.set_rng_state(drawn)
         plan = Plan(batches=numbered, base_seed=base, per_sample_seeds=per_sample_seeds, delivered=delivered)
         copies = None
-        if self.iterable:
+        if self.iterable or _stateful.is_stateful(t.dataset):
             entry = resume.get("stateful") if resume is not None else None
             ranks = distributed_rank()
             plan.copies, plan.first_worker, copies = _stateful.resume_plan(
-                entry, progress is not None, t.num_workers, epoch, 1 if ranks is None else ranks[1])
+                entry, progress is not None, t.num_workers, epoch, 1 if ranks is None else ranks[1],
+                iterable=self.iterable)
             self.last_copies = copies
+            if not self.iterable and t.num_workers == 0 and plan.copies:  # the dataset is here
+                _stateful.load_dataset_state(t.dataset, plan.copies[0].record)
         if elastic is not None:
             segments, order_seed = elastic[0], progress["order_seed"]
         else:
@@ -678,6 +687,41 @@ class Planner:
             return _resume.progress(progress.base_seed, Delivered(), None, inexact=str(exc))
         return _resume.progress(progress.base_seed, progress.delivered, batches, rank=_rank())
 
+    def start_state(self, epoch: int) -> dict:
+        """The state of epoch ``epoch`` made ready by ``iter()`` but not started (its first
+        ``next()`` draws the base seed and the sampler's order): every generator's state now,
+        torch's global RNG included, as torch's iterator holds the seed it drew at ``iter()``, so
+        that a resumed run draws that epoch's order again; and, for an IterableDataset that is
+        Stateful, its state as each worker's copy starts from it."""
+        gens = self.generators()
+        rng = _resume.snapshot(gens)
+        base = self._peek_base(epoch, rng)
+        state = _resume.pack(epoch, self.config(), rng,
+                             _resume.progress(base, Delivered(), None, order_seed=self._order_seed_now()),
+                             self._kept_base, mix=None)
+        mix = self._mix()
+        if mix is not None:
+            state["mix"] = _resume.mix_entry(mix.dataset.names, mix.weights, ((0, mix.weights),))
+        dataset = self.torch.dataset
+        if self.iterable and _stateful.is_stateful(dataset):
+            ranks = distributed_rank()
+            state["stateful"] = _stateful.initial_entry(dataset.state_dict(), self.torch.num_workers,
+                                                        1 if ranks is None else ranks[1])
+        return state
+
+    def _peek_base(self, epoch: int, rng: dict) -> int:
+        """The base seed :meth:`plan` will draw for ``epoch`` from the generators in ``rng``,
+        drawn from a copy (nothing is drawn from the generators themselves)."""
+        if self.seed is not None:
+            return derive_seed(self.seed, epoch, 1)
+        t = self.torch
+        if t.persistent_workers and t.num_workers > 0 and self._kept_base is not None:
+            first, base = self._kept_base
+            return base if epoch == first else derive_seed(base, epoch)
+        scratch = torch.Generator()
+        scratch.set_state(_resume.rng_tensor(rng["loader"]["state"]))
+        return draw_base_seed(scratch)
+
     def expected(self) -> _resume.Expected:
         """What a state this loader can load looks like (see :func:`aioload._resume.unpack`)."""
         t = self.torch
@@ -739,6 +783,12 @@ class Planner:
     def resume_state(self, resume: dict) -> dict:
         """The state of a loader that loaded ``resume`` and has not iterated since."""
         return copy.deepcopy(resume["saved"])
+
+
+def _taken(resume: dict) -> bool:
+    """Whether a resumed IterableDataset's copies had delivered anything."""
+    entry = resume.get("stateful")
+    return entry is not None and any(entry["taken"])
 
 
 def _rank() -> int:

@@ -17,6 +17,11 @@ The state's ``"stateful"`` entry (a key of the state beside ``progress``)::
      "workers": {"worker_0": {"worker_id": 0, "dataset_state": ..., "fetcher_state":
                               {"dataset_iter_state": ..., "fetcher_ended": True}}, ...}}
 
+A map-style dataset that is Stateful has the same entry, of which only each worker's
+``dataset_state`` is used: the state after the last delivered batch that worker made (torch's
+round-robin dispatch gives batch ``i`` to worker ``i mod N``, so a resumed epoch hands each
+worker its batches and the state it had for them). Its batches resume from the plan as always.
+
 Each ``workers`` record has the shape of one worker's entry in torchdata's
 ``StatefulDataLoader`` state (see docs/migration.md); its ``dataset_state`` and
 ``dataset_iter_state`` are the dataset's own values, kept as they are (tensors included). Mid
@@ -36,6 +41,10 @@ import warnings
 
 from aioload._resume import ResumeError, ResumeWarning
 from aioload._workers.messages import CopyNote, ResumeCopy
+from aioload._workers.state import is_stateful, load_dataset_state
+
+__all__ = ["Copies", "FastForwardWarning", "check", "initial_entry", "is_stateful", "load_dataset_state",
+           "resume_plan"]
 
 
 class FastForwardWarning(ResumeWarning):
@@ -95,8 +104,8 @@ class Copies:
             self.last = wid
 
     def started(self) -> bool:
-        """Whether any copy has delivered (or run out) in this epoch."""
-        return self.last is not None or any(self.ended)
+        """Whether any copy has delivered (or run out, or had its state captured) in this epoch."""
+        return self.last is not None or any(self.ended) or self.stateful()
 
     def stateful(self) -> bool:
         return any(record is not None for record in self.records)
@@ -115,7 +124,16 @@ class Copies:
                 "taken": list(self.taken), "workers": workers}
 
 
-def resume_plan(entry: dict | None, mid_epoch: bool, num_workers: int, epoch: int, world_size: int = 1):
+def initial_entry(dataset_state, num_workers: int, world_size: int) -> dict:
+    """The entry of an epoch not started yet: every copy starts from the dataset's state."""
+    n = max(1, num_workers)
+    workers = {f"worker_{w}": dict(bare(w, False), dataset_state=dataset_state) for w in range(n)}
+    return {"num_workers": num_workers, "world_size": world_size, "next_worker": 0, "taken": [0] * n,
+            "workers": workers}
+
+
+def resume_plan(entry: dict | None, mid_epoch: bool, num_workers: int, epoch: int, world_size: int = 1,
+                iterable: bool = True):
     """What a resumed iterable epoch starts from: ``(copies, first worker, Copies)`` where
     ``copies`` is one :class:`~aioload._workers.messages.ResumeCopy` (or ``None``) per worker,
     or ``(None, 0, Copies(num_workers))`` where nothing applies. Warns where the epoch cannot
@@ -123,6 +141,8 @@ def resume_plan(entry: dict | None, mid_epoch: bool, num_workers: int, epoch: in
     fresh = Copies(num_workers, world_size)
     if entry is None:
         return None, 0, fresh
+    if not iterable:  # a map-style dataset's states: its batches resume from the plan, exactly
+        return _map_plan(entry, mid_epoch, num_workers, world_size)
     if entry["world_size"] != world_size:
         if mid_epoch:
             warnings.warn(
@@ -151,6 +171,21 @@ def resume_plan(entry: dict | None, mid_epoch: bool, num_workers: int, epoch: in
             sent.append(ResumeCopy(record, entry["taken"][wid], False))
     first = entry["next_worker"] if mid_epoch else 0
     return tuple(sent), first, copies
+
+
+def _map_plan(entry: dict, mid_epoch: bool, num_workers: int, world_size: int):
+    """A Stateful map-style dataset: each worker's copy (or the dataset, in process) gets the
+    state it had after the last batch it made that was delivered."""
+    if entry["num_workers"] != num_workers or entry["world_size"] != world_size:
+        warnings.warn(
+            f"the dataset's own state, saved for each of num_workers={entry['num_workers']} on "
+            f"{entry['world_size']} rank(s), is not given back to this loader's num_workers={num_workers} on "
+            f"{world_size} rank(s): its batches resume exactly, but what the dataset draws from its state "
+            "(a random state, say) starts afresh", ResumeWarning, stacklevel=5)
+        return None, 0, Copies(num_workers, world_size)
+    copies = Copies.resumed(entry, fresh=not mid_epoch)
+    sent = tuple(ResumeCopy(entry["workers"][f"worker_{w}"], 0, not mid_epoch) for w in range(len(copies.records)))
+    return sent, 0, copies
 
 
 def warn_fast_forward(entry: dict | None, mid_epoch: bool, epoch: int) -> None:
@@ -190,11 +225,10 @@ def _count(value, path: str) -> int:
 
 def check(entry, iterable: bool) -> dict | None:
     """The state's ``"stateful"`` entry, checked field by field (the dataset's own values
-    excepted: they are the dataset's to check when it loads them)."""
+    excepted: they are the dataset's to check when it loads them). A map-style dataset's entry
+    has the same shape (its records' ``dataset_state`` only)."""
     if entry is None:
         return None
-    if not iterable:
-        raise _fail("stateful", "must be absent: this loader's dataset is not an IterableDataset")
     if not isinstance(entry, dict):
         raise _fail("stateful", f"must be a dict, got {type(entry).__name__}")
     wanted = {"num_workers", "world_size", "next_worker", "taken", "workers"}

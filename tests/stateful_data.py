@@ -108,3 +108,38 @@ class CountingSampler(torch.utils.data.Sampler):
 
     def load_state_dict(self, state: dict) -> None:
         self.resume_at = state["position"]
+
+
+class OwnIterator(torch.utils.data.IterableDataset):
+    """Its own iterator, starting over in ``__iter__`` (so the loader must call it once an epoch)."""
+
+    def __init__(self, length: int):
+        self.length = length
+        self.i = 0
+
+    def __iter__(self):
+        self.i = 0
+        return self
+
+    def __next__(self):
+        if self.i >= self.length:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1
+
+
+class RandomMap(torch.utils.data.Dataset):
+    """A map-style dataset whose samples draw from torch's RNG (in its worker, or in process),
+    Stateful through that RNG's state."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i):
+        return (i, int(torch.randint(1000, (1,))))
+
+    def state_dict(self) -> dict:
+        return {"rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["rng"])

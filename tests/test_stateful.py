@@ -176,3 +176,68 @@ def test_the_state_is_checked_at_load():
         with pytest.raises(ValueError, match=r"^cannot load this state: stateful.workers.worker_2.worker_id must "
                                              r"be 2, got 7; pass what loader.state_dict\(\) returned$"):
             loader.load_state_dict(state)
+
+
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, i):
+        return i
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_saved_before_the_first_batch_resumes_that_epochs_order(num_workers):
+    # RandomSampler without a generator draws from torch's global RNG when the epoch starts
+    # (its first next()): the state saved after iter() holds the RNG that epoch draws from
+    torch.manual_seed(11)
+    with make(Numbers(), shuffle=True, num_workers=num_workers) as loader:
+        it = iter(loader)
+        state = saved(loader.state_dict())
+        expected = list(it)
+    assert state["progress"] is not None and "loader" in state["rng"] and state["rng"]["loader"]["global"]
+    with make(Numbers(), shuffle=True, num_workers=num_workers) as loader:
+        loader.load_state_dict(state)
+        assert list(loader) == expected
+
+
+def test_a_stateful_iterable_saved_before_the_first_batch_starts_from_the_datasets_state():
+    dataset = Counted([5, 5])
+    dataset.epoch = 4  # carried to every worker's copy
+    with make(dataset, num_workers=2) as loader:
+        it = iter(loader)
+        state = saved(loader.state_dict())
+        expected = list(it)
+    assert {epoch for b in expected for _, epoch in b} == {4}
+    assert state["stateful"]["workers"]["worker_1"]["dataset_state"] == {"position": 0, "epoch": 4}
+    with make(Counted([5, 5]), num_workers=2) as loader:
+        loader.load_state_dict(state)
+        assert list(loader) == expected
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_dataset_that_is_its_own_iterator_is_iterated_once_per_epoch(num_workers):
+    from tests.stateful_data import OwnIterator
+
+    expected = list(torch.utils.data.DataLoader(OwnIterator(10), batch_size=4, num_workers=num_workers))
+    with aioload.DataLoader(OwnIterator(10), batch_size=4, num_workers=num_workers) as loader:
+        got = list(loader)
+    assert [b.tolist() for b in got] == [b.tolist() for b in expected] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_stateful_map_style_datasets_state_is_given_back_to_each_worker(num_workers, persistent):
+    from tests.stateful_data import RandomMap
+
+    def factory():
+        torch.manual_seed(2)  # in process the samples draw from the global RNG
+        return make(RandomMap(), batch_size=3, num_workers=num_workers, persistent_workers=persistent and num_workers > 0,
+                    generator=torch.Generator().manual_seed(9))
+
+    with factory() as loader:
+        full = [b for _ in range(2) for b in loader]
+    head, state = interrupted(factory, 5, epochs_before=1)
+    assert state["stateful"]["num_workers"] == num_workers
+    assert isinstance(state["stateful"]["workers"]["worker_0"]["dataset_state"]["rng"], torch.Tensor)
+    assert head + resumed(factory, state) == full

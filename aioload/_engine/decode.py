@@ -16,7 +16,7 @@ from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from aioload._engine.budget import SAMPLE_STAGES
 from aioload._engine.ready import SKIP
-from aioload._engine.spec import Collation, Mode
+from aioload._engine.spec import Collation, Mode, Ready
 from aioload._errors import SKIP_HINT, BlockingReadWarning, unpack_exception
 from aioload._handoff.chunks import chunk_samples, join_chunks, load_chunk, move_chunk_into_slot
 from aioload._handoff.layout import ALIGN, Layout
@@ -72,6 +72,16 @@ class LayoutLesson:
         """Wake the batches waiting for the layout (it is known, or a teacher is done)."""
         self._event.set()
         self._event = asyncio.Event()
+
+
+def noted(item, replies):
+    """``item`` with the dataset states its tasks' replies captured (a Stateful map-style
+    dataset: see aioload._stateful), in the order the tasks ran."""
+    notes = [(reply.copy.record["worker_id"], reply.copy) for reply in replies
+             if isinstance(reply, Done) and reply.copy is not None]
+    if notes and isinstance(item, Ready):
+        item.note = notes
+    return item
 
 
 class DecodeStage:
@@ -272,7 +282,7 @@ class DecodeStage:
                     raise reply
         parts = sorted([(s, self._into_slot(probe, slot, s), True) for s, probe in probes.items()]
                        + [(lo, reply, False) for (lo, _), reply in zip(spans, replies)], key=lambda p: p[0])
-        return self._assemble_rows(lease, parts, n)
+        return noted(self._assemble_rows(lease, parts, n), [reply for _, reply, _ in parts])
 
     def _assemble_rows(self, lease, parts: list, n: int):
         """The batch from its tasks' replies ``(first row, reply, probe)``: the chunks joined
@@ -377,7 +387,7 @@ class DecodeStage:
         if reply.errors:
             self.skip(self.task_errors(reply))
         failed = sum(1 for error in reply.errors if not isinstance(error.index, list))
-        return self.assemble_whole(lease, reply, samples=len(items) - failed)
+        return noted(self.assemble_whole(lease, reply, samples=len(items) - failed), [reply])
 
     def assemble_whole(self, lease, reply: Done, samples: int):
         """The batch a worker collated whole (``BatchOut``), delivered; ``SKIP`` without one."""

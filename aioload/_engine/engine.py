@@ -252,6 +252,9 @@ class Engine:
             serve = outer.create_task(session.serve())
             try:
                 await session.broadcast(StartEpoch(self.plan.base_seed, self.plan.per_sample_seeds))
+                for wid, resume in enumerate(self.plan.copies or ()):
+                    if resume is not None and wid < self.pool.num_workers:
+                        session.send(wid, resume)  # before any task: its saved state (aioload._stateful)
                 if self._iterable is not None:
                     self._iterable.resume()
                 async with asyncio.TaskGroup() as batches:

@@ -47,15 +47,14 @@ class IterableStage:
         self._turns: list[Turn | None] = [None] * spec.num_workers  # each worker's last batch
 
     def resume(self) -> None:
-        """A resumed epoch: each worker's copy gets its saved state before its first task
-        (messages reach a worker in the order posted); copies that had run out get no task."""
+        """A resumed epoch (the engine has sent each worker its copy's saved state, before any
+        task): copies that had run out get no task."""
         copies = self.plan.copies if self.plan is not None else None
         if copies is None:
             return
         for wid, resume in enumerate(copies):
             if resume is None:
                 continue
-            self.session.send(wid, resume)
             fetcher = (resume.record or {}).get("fetcher_state") or {}
             if fetcher.get("fetcher_ended") and not resume.fresh:
                 self.active[wid] = False

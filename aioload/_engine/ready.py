@@ -179,7 +179,9 @@ class ReadyQueue:
 
     def _note(self, item) -> None:
         note = getattr(item, "note", None)
-        if note is not None:
+        if type(note) is list:  # a batch made by several tasks: each one's note, in order
+            self._notes.extend(note)
+        elif note is not None:
             self._notes.append(note)
 
     def take_notes(self) -> list:

@@ -9,7 +9,10 @@ epoch, when the iterator is made: where neither is Stateful nothing is captured 
 reply carries no state and costs nothing more), and a resumed copy is fast-forwarded instead,
 by dropping the items it already delivered.
 
-A copy's state is a :class:`WorkerRecord` as a dict, the shape of one worker's entry in
+A map-style dataset that is Stateful (its random state, say) has its state captured the same
+way after each task, and given back when a resumed epoch starts (:func:`load_dataset_state`).
+
+A copy's state is a record, the shape of one worker's entry in
 torchdata's ``StatefulDataLoader`` state, so that a record written by either loader reads the
 same::
 
@@ -25,7 +28,6 @@ are (tensors included), never inspected.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 from aioload._workers.messages import CopyNote
@@ -89,15 +91,36 @@ class CopyState:
             except StopIteration:
                 self.ended = True
                 return None
-        items = list(itertools.islice(self.iterator, batch_size))
-        if len(items) < batch_size:
+        # next() each time: islice would call iter() on the iterator, and an iterator that is its
+        # own dataset may start over in __iter__
+        items, step = [], self.iterator.__next__
+        try:
+            for _ in range(batch_size):
+                items.append(step())
+        except StopIteration:
             self.ended = True
         if not items or (drop_last and len(items) < batch_size):
             return None
         return items
 
 
+def dataset_note(worker_id: int, dataset) -> CopyNote:
+    """A map-style dataset's state after a task (the record's ``dataset_state``)."""
+    return CopyNote(record(worker_id, dataset, None, False), False, 0)
+
+
+def load_dataset_state(dataset, saved: dict | None) -> None:
+    """Give a map-style dataset (a worker's copy, or in process the dataset) its saved state."""
+    if saved is not None and saved.get("dataset_state") is not None and is_stateful(dataset):
+        dataset.load_state_dict(saved["dataset_state"])
+
+
 def _dropped(iterator, count: int):
-    """``iterator`` past its first ``count`` items."""
-    next(itertools.islice(iterator, count, count), None)
+    """``iterator`` past its first ``count`` items (fewer where it runs out first)."""
+    step = iterator.__next__
+    try:
+        for _ in range(count):
+            step()
+    except StopIteration:
+        pass
     return iterator

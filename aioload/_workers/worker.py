@@ -31,7 +31,7 @@ from aioload._workers.messages import (BatchOut, CancelReads, ChunkOut, Done, Dr
 from aioload._seeding import sample_seed, seed_everything, seed_worker
 from aioload._handoff.shm import Segment, recv_fd
 from aioload._workers.reads import FailedRead, WorkerReads
-from aioload._workers.state import CopyState
+from aioload._workers.state import CopyState, dataset_note, load_dataset_state
 
 SLOT_HEADER = struct.Struct("<qq")
 
@@ -53,6 +53,7 @@ class WorkerConfig:
     exact_seeds: bool = False  # seed= given: every sample is seeded alone
     keep_rng: bool = False  # persistent_workers=True: RNG streams go on across epochs, as in torch
     batched_fetch: bool = False  # a batch is fetched with one __getitems__ call, as torch does
+    stateful: bool = False  # a map-style dataset with state_dict/load_state_dict: captured after each task
     read_in_workers: bool = False  # the workers await dataset.read themselves (aioload._workers.reads)
     read_limit: int = 1  # with read_in_workers: reads in flight per worker, at first
     read_ceiling: int = 1  # ... and how far that limit may grow (read_limit: it stays)
@@ -346,7 +347,10 @@ class _Worker:
                 self.drop(msg.slot_ids)
                 continue
             if isinstance(msg, ResumeCopy):
-                self.resume = msg
+                if self.cfg.iterable:
+                    self.resume = msg  # given to the epoch's copy when it is made
+                else:
+                    load_dataset_state(self.cfg.dataset, msg.record)
                 continue
             _wire.send_blocking(self.sock, self.run(msg, reading))
 
@@ -370,6 +374,8 @@ class _Worker:
         if isinstance(reply, Done):
             # CPU seconds (compared to wall time in stats), and the reads made here
             reply = reply._replace(cpu_s=time.process_time() - cpu, reads=report)
+            if self.cfg.stateful:  # the dataset's state after this task's samples
+                reply = reply._replace(copy=dataset_note(self.id, self.cfg.dataset))
         return reply
 
     # -- reads in this worker (cfg.read_in_workers) ------------------------------------------
