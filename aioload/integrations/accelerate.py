@@ -119,7 +119,7 @@ class PreparedLoader(DataLoaderStateMixin):
         # the rest of the epoch is dealt again here); it is checked against its loader state.
         same_world = _saved_world(state["loader"]) in (None, self._num_processes)
         delivered = _check_delivered(state["delivered"], _length(self.loader) if same_world else None)
-        at = _resumes_after(state["loader"])
+        at = _resumes_after(state["loader"], isinstance(self.loader.dataset, torch.utils.data.IterableDataset))
         if isinstance(at, int) and at != delivered:
             raise ResumeError(
                 f"cannot load this state: delivered is {delivered}, but its loader state resumes the epoch after "
@@ -223,14 +223,15 @@ def _check_delivered(delivered, total: int | None) -> int:
 
 _IN_PLACE = "in place"
 """What :func:`_resumes_after` says of an ``IterableDataset``'s state saved mid-epoch: it
-resumes where it was saved, a position held as the items each worker's copy delivered (its
-``stateful`` entry), which is no count of batches to check ``delivered`` against."""
+resumes where it was saved, a position held as the items each worker's copy delivered (the
+state's ``stateful`` entry), which is no count of batches to check ``delivered`` against."""
 
 
-def _resumes_after(loader_state) -> int | str | None:
+def _resumes_after(loader_state, iterable: bool) -> int | str | None:
     """How many batches of its epoch a loader state says were delivered: 0 between epochs,
     ``None`` where it restarts its epoch (``progress.inexact``) or cannot say (a malformed state,
-    which the loader refuses with its own error), :data:`_IN_PLACE` for an iterable's."""
+    which the loader refuses with its own error), :data:`_IN_PLACE` mid-epoch over an
+    ``IterableDataset`` (``iterable``)."""
     if not isinstance(loader_state, dict) or "progress" not in loader_state:
         return None
     progress = loader_state["progress"]
@@ -238,7 +239,7 @@ def _resumes_after(loader_state) -> int | str | None:
         return 0
     if not isinstance(progress, dict) or progress.get("inexact") is not None:
         return None
-    if isinstance(loader_state.get("stateful"), dict):
+    if iterable:
         return _IN_PLACE
     delivered = progress.get("delivered")
     if not isinstance(delivered, dict):
