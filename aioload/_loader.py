@@ -41,6 +41,7 @@ from aioload._workers.pool import WorkerPool, choose_context
 from aioload._engine.ready import ReadyQueue
 from aioload._resources import LIVE, Resources, finalize_loader, watch_exit
 from aioload._sampling import EpochProgress, Planner, shard_sampler
+from aioload._sampling import distributed_rank as _distributed_rank
 from aioload._seeding import derive_seed
 from aioload import _stateful
 from aioload._engine.spec import BatchBound, Mode, Plan, Reads, Shared, Spec
@@ -352,6 +353,15 @@ class DataLoader(Generic[_T_co]):
         self._next_epoch = self._resume["epoch"]
         self._progress = None
         self._pending = None
+
+    def state_from_torchdata(self, state: dict) -> dict:
+        """The aioload state that resumes what torchdata's ``StatefulDataLoader`` saved for
+        this loader's ``IterableDataset`` (each worker's ``dataset_state`` and iterator state,
+        taken over as they are), for :meth:`load_state_dict`. It resumes this loader's next
+        epoch; torchdata saves no epoch number nor generator state. See docs/migration.md."""
+        ranks = _distributed_rank()
+        return _stateful.from_torchdata(state, self._planner.start_state(self._next_epoch), self._iterable,
+                                        self.num_workers, 1 if ranks is None else ranks[1])
 
     def set_weights(self, weights) -> None:
         """Change the weights of the :class:`aioload.Mix` this loader draws from, from the next

@@ -350,6 +350,12 @@ class Planner:
             self.seed_generator.manual_seed(derive_seed(self.seed, epoch))
         generators = self.generators()
         saved = resume["rng"] if resume is not None else {}
+        if not self.iterable and t.num_workers == 0 and resume is not None and resume.get("stateful"):
+            # A Stateful map-style dataset loaded here gets its state first: torch's global RNG,
+            # if that is what it holds, is restored around the plan's own draws below
+            entry = resume["stateful"]
+            if entry["num_workers"] == 0:
+                _stateful.load_dataset_state(t.dataset, entry["workers"]["worker_0"])
         progress = resume.get("progress") if resume is not None else None
         with _resume.restored(saved, generators):
             start = _resume.snapshot(generators)
@@ -403,8 +409,6 @@ class Planner:
                 entry, progress is not None, t.num_workers, epoch, 1 if ranks is None else ranks[1],
                 iterable=self.iterable)
             self.last_copies = copies
-            if not self.iterable and t.num_workers == 0 and plan.copies:  # the dataset is here
-                _stateful.load_dataset_state(t.dataset, plan.copies[0].record)
         if elastic is not None:
             segments, order_seed = elastic[0], progress["order_seed"]
         else:

@@ -285,3 +285,50 @@ def _check_depth(value, path: str) -> None:
             stack.extend((v, depth + 1) for v in item.values())
         elif isinstance(item, (list, tuple)):
             stack.extend((v, depth + 1) for v in item)
+
+
+# -- a torchdata StatefulDataLoader state -------------------------------------------------
+def from_torchdata(state, start: dict, iterable: bool, num_workers: int, world_size: int) -> dict:
+    """The aioload state that resumes what torchdata's ``StatefulDataLoader`` saved in
+    ``state``, for an IterableDataset: ``start`` (the loader's state of its next epoch's start,
+    :meth:`aioload._sampling.Planner.start_state`) with each worker's record taken over as it
+    is. What torchdata does not save per worker (the items a copy delivered) is taken as 0, so a
+    copy that is not Stateful starts its stream again."""
+    if not iterable:
+        raise ResumeError(
+            "a torchdata StatefulDataLoader state of a map-style dataset does not convert: its position is a "
+            "count of torchdata's own sampler (torchdata replaces torch's RandomSampler), not an order aioload "
+            "can compute; resume from an aioload state, or restart the epoch")
+    if not isinstance(state, dict):
+        raise ResumeError(f"not a torchdata StatefulDataLoader state: a dict is needed, got {type(state).__name__}")
+    if "_snapshot" in state:  # workers
+        snapshot = state["_snapshot"]
+        main, records = snapshot["_main_snapshot"], snapshot["_worker_snapshots"]
+        saved_workers = main["_num_workers"]
+        last = snapshot.get("_last_yielded_worker_id")
+        taken_any = snapshot.get("_snapshot_step", 0) > 0
+    elif "fetcher_state" in state:  # in process
+        saved_workers, last = 0, 0
+        records = {"worker_0": {"worker_id": 0, "dataset_state": state.get("dataset_state"),
+                                "fetcher_state": state["fetcher_state"]}}
+        taken_any = state.get("_num_yielded", 0) > 0
+    else:
+        raise ResumeError("not a torchdata StatefulDataLoader state: it has neither '_snapshot' (workers) nor "
+                          "'fetcher_state' (num_workers=0)")
+    if saved_workers != num_workers:
+        raise ResumeError(f"this torchdata state was saved with num_workers={saved_workers}; convert it for a "
+                          f"loader with num_workers={saved_workers}")
+    n = max(1, num_workers)
+    workers = {}
+    for wid in range(n):
+        record = records.get(f"worker_{wid}") or bare(wid, False)
+        fetcher = record.get("fetcher_state") or {"dataset_iter_state": None, "fetcher_ended": False}
+        workers[f"worker_{wid}"] = {"worker_id": wid, "dataset_state": record.get("dataset_state"),
+                                    "fetcher_state": {"dataset_iter_state": fetcher.get("dataset_iter_state"),
+                                                      "fetcher_ended": bool(fetcher.get("fetcher_ended", False))}}
+    out = dict(start)
+    out["stateful"] = {"num_workers": num_workers, "world_size": world_size,
+                       "next_worker": 0 if last is None or not taken_any else (last + 1) % n,
+                       "taken": [0] * n, "workers": workers}
+    check(out["stateful"], iterable)
+    return out

@@ -6,6 +6,7 @@ yields anything; one without resumes by fast-forwarding. Real worker processes t
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -241,3 +242,46 @@ def test_a_stateful_map_style_datasets_state_is_given_back_to_each_worker(num_wo
     assert state["stateful"]["num_workers"] == num_workers
     assert isinstance(state["stateful"]["workers"]["worker_0"]["dataset_state"]["rng"], torch.Tensor)
     assert head + resumed(factory, state) == full
+
+
+@pytest.mark.parametrize("num_workers", [0, 3])
+def test_a_torchdata_stateful_dataloader_state_converts(num_workers):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    sizes = [0, 100, 37] if num_workers else [137]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torchdata's worker-count warning
+        theirs = StatefulDataLoader(Counted(sizes), num_workers=num_workers, batch_size=4, collate_fn=identity)
+        it = iter(theirs)
+        head = [next(it) for _ in range(9)]
+        state = theirs.state_dict()
+        rest = list(it)
+    with make(Counted(sizes), num_workers=num_workers, batch_size=4) as loader:
+        loader.load_state_dict(loader.state_from_torchdata(state))
+        assert list(loader) == rest
+    assert head + rest == list(torch.utils.data.DataLoader(Counted(sizes), num_workers=num_workers, batch_size=4,
+                                                           collate_fn=identity))
+
+
+def test_a_torchdata_state_of_a_map_style_dataset_is_refused_with_the_reason():
+    with make(list(range(10)), batch_size=2) as loader:
+        with pytest.raises(ValueError, match="^a torchdata StatefulDataLoader state of a map-style dataset does "
+                                             "not convert"):
+            loader.state_from_torchdata({"_snapshot": {}})
+
+
+def test_an_epoch_with_the_same_base_seed_draws_the_same_in_reused_workers():
+    # A resumed epoch replays its base seed; workers kept from the last epoch (an epoch that ran
+    # to its end keeps them) are seeded again from it, as torch's fresh workers are.
+    from tests.stateful_data import RandomMap
+
+    generator = torch.Generator()
+    with make(RandomMap(), batch_size=4, num_workers=2, generator=generator) as loader:
+        epochs = []
+        for _ in range(2):
+            generator.manual_seed(21)
+            epochs.append(list(loader))
+    generator.manual_seed(21)
+    expected = list(torch.utils.data.DataLoader(RandomMap(), batch_size=4, num_workers=2, generator=generator,
+                                                collate_fn=identity))
+    assert epochs[0] == epochs[1] == expected

@@ -95,22 +95,27 @@ class _Worker:
         self.per_sample_seeds = True
         self.copy: CopyState | None = None  # an IterableDataset's copy in this epoch
         self.resume: ResumeCopy | None = None  # what the epoch's copy resumes from
-        self.seeded: int | None = None  # the base seed the worker's RNGs were last seeded from
+        self.seeded: int | None = None
+        self.served = False  # a task ran since the worker was last seeded  # the base seed the worker's RNGs were last seeded from
         self.reads: WorkerReads | None = None  # with cfg.read_in_workers, once worker_init_fn has run
         self.inbox: queue.SimpleQueue | None = None  # with reads here: (message, reading) in arrival order
 
     # -- set-up -------------------------------------------------------------------------
     def start_epoch(self, base_seed: int, per_sample_seeds: bool) -> None:
-        """Seed as torch seeds a worker started for this epoch. A worker that is already seeded
-        from this base seed (a fresh one, after worker_init_fn) or whose streams go on across
-        epochs (``keep_rng``, torch's persistent workers) keeps its RNG state."""
+        """Seed as torch seeds a worker started for this epoch. A fresh worker already seeded
+        from this base seed (after worker_init_fn, which may seed in its turn), and one whose
+        streams go on across epochs (``keep_rng``, torch's persistent workers), keep their RNG
+        state; a worker that served an epoch is seeded again even from the same base seed (a
+        resumed epoch replays its seeds)."""
         self.base_seed = base_seed
         self.per_sample_seeds = per_sample_seeds
         self.copy = None
         self.resume = None
-        if self.seeded is None or (base_seed != self.seeded and not self.cfg.keep_rng):
+        reused = self.served and not self.cfg.keep_rng
+        if self.seeded is None or reused or (base_seed != self.seeded and not self.cfg.keep_rng):
             self.seeded = base_seed
             _set_worker_info(self.id, self.cfg, seed_worker(base_seed, self.id))
+        self.served = False
 
     def segment(self, slot_id: int) -> Segment:
         seg = self.segments.get(slot_id)
@@ -357,6 +362,7 @@ class _Worker:
     def run(self, task: Task, reading) -> Done | Stopped:
         """One task, its reads (started on arrival, ``reading``) awaited first."""
         self.task = task.task_id
+        self.served = True
         self.drop(task.drops)
         cpu = time.process_time()
         work, report = task.work, None
