@@ -254,3 +254,80 @@ def test_a_prepared_loaders_delivered_count_is_checked_at_load():
         again.load_state_dict(state)
         ends = [again.end_of_dataloader for _ in again]
     assert ends == [False, False, False, True]  # batches 3-6 of 6
+
+
+def test_use_stateful_dataloader_resumes_a_streaming_dataset_on_every_rank(tmp_path):
+    # tests/frameworks/accelerate_stateful_run.py: a Hugging Face stream split by node, 12 batches
+    # an epoch and rank; save_state after step 7, load_state in a new Accelerator.
+    pytest.importorskip("datasets")
+    from tests.hf_data import write_files
+
+    paths = write_files(tmp_path / "data", "parquet", files=4, rows=24)
+    out = tmp_path / "out"
+    out.mkdir()
+    job = start(torchrun_args("accelerate_stateful_run.py", [str(out), *paths]))
+    assert job.returncode == 0, job.output
+    runs = Ranks(job, out, world=2)
+    full, first, rest = (runs.case(name) for name in ("full", "first", "rest"))
+    for whole, head, tail in zip(full, first, rest):
+        assert len(whole) == 20 and len(head) == 7 and len(tail) == 13
+        assert [s["ids"] for s in head + tail] == [s["ids"] for s in whole]
+        # the epoch's end is found by reading one batch ahead, in the resumed epoch too
+        assert [s["end"] for s in tail] == [s["end"] for s in whole[7:]]
+        assert [i for i, s in enumerate(whole) if s["end"]] == [11]
+        assert [s["sync"] for s in head + tail] == [s["sync"] for s in whole]
+    epoch0 = [sorted(i for s in whole[:12] for i in s["ids"]) for whole in full]
+    assert not set(epoch0[0]) & set(epoch0[1])
+    assert sorted(epoch0[0] + epoch0[1]) == sorted(f * 1000 + r for f in range(4) for r in range(24))
+    # Accelerate's own stateful path ran beside the aioload loader's: it saved the torch loader it
+    # prepared, and the aioload loader as a registered object.
+    assert {"dl_state_dict.bin", "custom_checkpoint_0.pkl"} <= set(runs.case("files")[0])
+
+
+def test_a_streams_state_names_every_ranks_position_and_refuses_another_world():
+    import aioload
+    from aioload._resume import ResumeError
+    from aioload.integrations.accelerate import PreparedLoader
+    from tests.iterable_data import Plain
+
+    with aioload.DataLoader(Plain([10]), batch_size=2) as loader:
+        prepared = PreparedLoader(loader)
+        state = prepared.state_dict()
+        assert set(state) == {"loader", "delivered"}  # one process: nothing to gather
+        two = dict(state, ranks=[state, state])
+        with pytest.raises(ResumeError, match=r"^this state holds the positions of 2 ranks' streams, but this job "
+                                              r"runs 1 process: an IterableDataset's position is each rank's own"):
+            PreparedLoader(loader).load_state_dict(two)
+        with pytest.raises(ResumeError, match=r"^cannot load this state: ranks must be a list of every rank's"):
+            PreparedLoader(loader).load_state_dict(dict(state, ranks=[{"loader": 1}]))
+        PreparedLoader(loader).load_state_dict(dict(state, ranks=[state]))
+
+
+def test_a_checkpoint_while_the_loop_holds_a_batch_read_ahead_resumes_after_that_batch():
+    # Without len() the prepared loader reads one batch ahead to find the epoch's end; a state
+    # saved meanwhile is the loader's as of the batch the training loop has.
+    import aioload
+    from aioload.integrations.accelerate import PreparedLoader
+    from tests.iterable_data import Counted
+
+    def make():
+        return PreparedLoader(aioload.DataLoader(Counted([10]), batch_size=2, num_workers=1))
+
+    prepared = make()
+    seen = []
+    for batch in prepared:
+        seen.append(batch.tolist())
+        if len(seen) == 2:
+            state = prepared.state_dict()
+            break
+    prepared.loader.close()
+    assert state["delivered"] == 2
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest, ends = [], []
+    for batch in resumed:
+        rest.append(batch.tolist())
+        ends.append(resumed.end_of_dataloader)
+    resumed.loader.close()
+    assert seen + rest == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    assert ends == [False, False, True]

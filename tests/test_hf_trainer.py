@@ -28,3 +28,31 @@ def test_trainer_resumes_the_loader_from_its_checkpoint(tmp_path):
     # ignore_data_skip) would have loaded the rest of the resumed epoch with a torch DataLoader.
     assert [result[run]["delivered"] for run in ("full", "first", "rest")] == [12, 7, 5]
     assert (tmp_path / "first" / "checkpoint-7" / "aioload_loader.pt").is_file()
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory) -> dict:
+    """tests/frameworks/hf_trainer_run.py --stream: a Hugging Face stream of 2 Parquet files
+    (40 rows, 2 workers: 10 batches an epoch, no len()), 14 steps, a checkpoint at step 7."""
+    pytest.importorskip("datasets")
+    from tests.hf_data import write_files
+
+    out = tmp_path_factory.mktemp("trainer-stream")
+    paths = write_files(out / "data", "parquet", files=2, rows=20)
+    run([str(SCRIPTS / "hf_trainer_run.py"), str(out), "--stream", *paths])
+    return json.loads((out / "result.json").read_text())
+
+
+def test_trainer_resumes_a_streaming_dataset_mid_epoch_from_its_checkpoint(streamed):
+    full, first, rest = (streamed[run]["seen"] for run in ("full", "first", "rest"))
+    assert len(full) == 14 and len(first) == 7 and len(rest) == 7
+    assert sorted(i for batch in full[:10] for i in batch) == sorted(f * 1000 + r for f in range(2) for r in range(20))
+    assert first + rest[:3] == full[:10]  # the rest of the interrupted epoch
+    assert [streamed[run]["delivered"] for run in ("full", "first", "rest")] == [14, 7, 7]
+
+
+def test_trainer_runs_the_epoch_after_a_resumed_streaming_one_whole(streamed):
+    # The Trainer calls loader.set_epoch(1) and iterates again: the stream's copies must start
+    # epoch 1 from its beginning, not from the position loaded for epoch 0.
+    full, rest = streamed["full"]["seen"], streamed["rest"]["seen"]
+    assert rest[3:] == full[10:]

@@ -20,7 +20,8 @@ Accelerate never learns where an epoch ends: ``gradient_state.end_of_dataloader`
 It also registers the loader for ``accelerator.save_state()``/``load_state()``: a resumed run
 continues on every rank at the batch where the saved one stopped, with no batches to skip,
 also on another number of processes (the rest of the epoch is dealt over them, and
-``end_of_dataloader`` comes with its last batch there).
+``end_of_dataloader`` comes with its last batch there). Over an ``IterableDataset`` each rank's
+position is its own: the saved state holds every rank's and resumes on as many processes.
 ``accelerator.skip_first_batches`` would rebuild the loader as a torch DataLoader; use this
 module's :func:`skip_first_batches` where skipping is still wanted.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Iterator
 
+import torch
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
 
@@ -61,6 +63,9 @@ class PreparedLoader(DataLoaderStateMixin):
         self._num_processes = accelerator.num_processes if accelerator is not None else 1
         self._delivered = 0  # batches of the epoch in progress handed to the training loop
         self._resume_at: tuple[Any, int] | None = None  # (epoch, delivered) of a loaded state
+        # Read one batch ahead (no len()), the loader has delivered a batch the training loop
+        # has not received yet: its state as of the batch the loop has, else None.
+        self._held_back: dict | None = None
 
     # -- the loader's own surface ---------------------------------------------------------
     def __getattr__(self, name: str):
@@ -85,24 +90,37 @@ class PreparedLoader(DataLoaderStateMixin):
             self._resume_at = None  # another epoch than the loaded one: it starts afresh
 
     def state_dict(self) -> dict:
-        return {"loader": self.loader.state_dict(), "delivered": self._delivered}
+        """The loader's state and the batches of the epoch in progress delivered. Over an
+        ``IterableDataset`` under ``torch.distributed``, where each rank's position in its own
+        stream is its own, ``ranks`` also holds every rank's (gathered here: a collective, which
+        ``save_state`` calls on every process), since Accelerate writes what rank 0 returns."""
+        loader_state = self._held_back if self._held_back is not None else self.loader.state_dict()
+        state = {"loader": loader_state, "delivered": self._delivered}
+        world = _stream_world(self.loader)
+        if world > 1:
+            ranks: list = [None] * world
+            torch.distributed.all_gather_object(ranks, state)
+            state = dict(state, ranks=ranks)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`'s output. ``delivered`` must be where the loader's own
         state resumes (checked here, with a :class:`ResumeError` naming it); a loader state
         that can only restart its epoch (it warns ``ResumeWarning``) restarts this count too,
         so that ``end_of_dataloader`` comes with the epoch's real last batch."""
-        if not isinstance(state, dict) or set(state) != {"loader", "delivered"}:
+        if not isinstance(state, dict) or set(state) - {"ranks"} != {"loader", "delivered"}:
             raise ResumeError(
                 "not the state of a prepared loader: pass what PreparedLoader.state_dict() returned "
                 "(a bare loader's own state goes to loader.loader.load_state_dict)"
             )
+        if "ranks" in state:
+            state = _own_rank(state["ranks"])
         # A state saved on another number of ranks counts that world's batches (elastic resume:
         # the rest of the epoch is dealt again here); it is checked against its loader state.
         same_world = _saved_world(state["loader"]) in (None, self._num_processes)
         delivered = _check_delivered(state["delivered"], _length(self.loader) if same_world else None)
-        at = _resumes_after(state["loader"])
-        if at is not None and at != delivered:
+        at = _resumes_after(state["loader"], isinstance(self.loader.dataset, torch.utils.data.IterableDataset))
+        if isinstance(at, int) and at != delivered:
             raise ResumeError(
                 f"cannot load this state: delivered is {delivered}, but its loader state resumes the epoch after "
                 f"{at} batches; pass what PreparedLoader.state_dict() returned"
@@ -124,6 +142,7 @@ class PreparedLoader(DataLoaderStateMixin):
                 start, total = position()  # the loaded epoch as it resumes on this world
         self._resume_at = None
         self._delivered = start
+        self._held_back = None
         self.begin()  # resets end_of_dataloader, makes this the gradient state's active loader
         self.remainder = self._padded_remainder()
         try:
@@ -136,21 +155,27 @@ class PreparedLoader(DataLoaderStateMixin):
                     self.end_of_dataloader = self._delivered >= total
                     yield batch
             self._delivered = 0  # the epoch ran to its end
+            self._held_back = None
         finally:
             self.end()
 
     def _read_ahead(self, batches: Iterator) -> Iterator:
-        """Hold one batch back to know that the one before it was the last."""
+        """Hold one batch back to know that the one before it was the last. The loader's state
+        is taken with each batch, before the next is read: a checkpoint saved while the
+        training loop holds a batch resumes after that batch, not after the one read ahead."""
         try:
             held = next(batches)
         except StopIteration:
             return
+        held_state = self.loader.state_dict()
         for batch in batches:
             self._delivered += 1
+            self._held_back = held_state
             yield held
-            held = batch
+            held, held_state = batch, self.loader.state_dict()
         self._delivered += 1
         self.end_of_dataloader = True
+        self._held_back = held_state
         yield held
 
     def _padded_remainder(self) -> int:
@@ -196,10 +221,17 @@ def _check_delivered(delivered, total: int | None) -> int:
     return delivered
 
 
-def _resumes_after(loader_state) -> int | None:
+_IN_PLACE = "in place"
+"""What :func:`_resumes_after` says of an ``IterableDataset``'s state saved mid-epoch: it
+resumes where it was saved, a position held as the items each worker's copy delivered (the
+state's ``stateful`` entry), which is no count of batches to check ``delivered`` against."""
+
+
+def _resumes_after(loader_state, iterable: bool) -> int | str | None:
     """How many batches of its epoch a loader state says were delivered: 0 between epochs,
     ``None`` where it restarts its epoch (``progress.inexact``) or cannot say (a malformed state,
-    which the loader refuses with its own error)."""
+    which the loader refuses with its own error), :data:`_IN_PLACE` mid-epoch over an
+    ``IterableDataset`` (``iterable``)."""
     if not isinstance(loader_state, dict) or "progress" not in loader_state:
         return None
     progress = loader_state["progress"]
@@ -207,6 +239,8 @@ def _resumes_after(loader_state) -> int | None:
         return 0
     if not isinstance(progress, dict) or progress.get("inexact") is not None:
         return None
+    if iterable:
+        return _IN_PLACE
     delivered = progress.get("delivered")
     if not isinstance(delivered, dict):
         return None
@@ -221,6 +255,39 @@ def _saved_world(loader_state) -> int | None:
     config = loader_state.get("config") if isinstance(loader_state, dict) else None
     world = config.get("world_size") if isinstance(config, dict) else None
     return world if isinstance(world, int) and not isinstance(world, bool) else None
+
+
+def _stream_world(loader) -> int:
+    """The number of ranks whose positions a state must hold: the world size for a loader over
+    an ``IterableDataset`` under ``torch.distributed`` (each rank reads a stream of its own),
+    else 1 (the ranks of a map-style loader move in lockstep: rank 0's position is every rank's)."""
+    from torch.utils.data import IterableDataset
+
+    dist = torch.distributed
+    if not isinstance(loader.dataset, IterableDataset) or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
+
+
+def _own_rank(ranks) -> dict:
+    """This rank's entry of a state's ``ranks``, checked against the world it resumes in."""
+    world = _stream_world_here()
+    if not isinstance(ranks, (list, tuple)) or not all(isinstance(r, dict) and set(r) == {"loader", "delivered"}
+                                                       for r in ranks):
+        raise ResumeError("cannot load this state: ranks must be a list of every rank's {'loader', 'delivered'}; "
+                          "pass what PreparedLoader.state_dict() returned")
+    if len(ranks) != world:
+        raise ResumeError(
+            f"this state holds the positions of {len(ranks)} ranks' streams, but this job runs {world} "
+            f"process{'es' if world > 1 else ''}: an IterableDataset's position is each rank's own (its share of "
+            f"the stream), so it resumes on the same number of processes only; resume on {len(ranks)}"
+        )
+    return ranks[torch.distributed.get_rank() if world > 1 else 0]
+
+
+def _stream_world_here() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _length(loader) -> int | None:

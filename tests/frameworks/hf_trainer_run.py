@@ -9,6 +9,11 @@ of a run that checkpoints at step 7 and stops there (``first``), and of a new Tr
 and loader resumed from that checkpoint (``rest``).
 
 The recipe in docs/integrations.md is :class:`AioloadTrainer` and :class:`LoaderState`.
+
+``python tests/frameworks/hf_trainer_run.py OUT --stream FILE...`` does the same over a Hugging
+Face streaming dataset of the Parquet FILEs (mapped, in file order, 2 workers: 10 batches an
+epoch; a shuffle buffer's own resume is tests/test_resume_hf.py's), which has no ``len()``: 14
+steps (``max_steps``), a checkpoint at step 7.
 """
 
 from __future__ import annotations
@@ -97,6 +102,39 @@ def run(out: str, max_steps: int, checkpoint: str | None = None, **kwargs) -> di
         return {"seen": model.seen, "delivered": loader.stats().batches}
 
 
+class StreamModel(Model):
+    def forward(self, id, text, double, length):  # noqa: A002 - the stream's column names
+        self.seen.append(id.tolist())
+        return {"loss": self.layer(double.float().view(-1, 1)).pow(2).mean()}
+
+
+def run_stream(out: str, paths: list[str], max_steps: int, checkpoint: str | None = None, **kwargs) -> dict:
+    from tests.hf_data import stream
+
+    torch.manual_seed(0)
+    model = StreamModel()
+    loader = aioload.DataLoader(stream(paths), batch_size=4, num_workers=2)
+    trainer = AioloadTrainer(model=model, args=arguments(out, max_steps=max_steps, **kwargs), train_loader=loader)
+    with loader:
+        if checkpoint is None:
+            trainer.train()
+        else:
+            resume(trainer, checkpoint)
+        return {"seen": model.seen, "delivered": loader.stats().batches}
+
+
+def main_stream(out: str, paths: list[str]) -> None:
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    result = {}
+    result["full"] = run_stream(os.path.join(out, "full"), paths, 14, save_strategy="no")
+    first = os.path.join(out, "first")
+    result["first"] = run_stream(first, paths, 7, save_strategy="steps", save_steps=7)
+    result["rest"] = run_stream(os.path.join(out, "rest"), paths, 14, os.path.join(first, "checkpoint-7"),
+                                save_strategy="no")
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump(result, f)
+
+
 def main(out: str) -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     result = {}
@@ -109,4 +147,7 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) > 2 and sys.argv[2] == "--stream":
+        main_stream(sys.argv[1], sys.argv[3:])
+    else:
+        main(sys.argv[1])
