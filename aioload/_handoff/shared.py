@@ -143,8 +143,7 @@ class SharedPool:
 
     @staticmethod
     def fill(shared: SharedBytes, data) -> None:
-        """Copy ``data`` (``shared.size`` bytes) in: numpy's copy lets go of the GIL, so from
-        a thread it does not hold up the event loop."""
+        """Copy ``data`` (``shared.size`` bytes) in."""
         source = np.frombuffer(data, dtype=np.uint8)
         if source.size != shared.size:
             raise ValueError(f"{source.size} bytes for shared bytes of {shared.size}")

@@ -63,10 +63,6 @@ from aioload._storage import scope as _scope
 from aioload._storage.storage import Storage, read_buffer
 
 
-SPARE_SHARDS = 2
-"""Freed shards' memfds kept for the next shards (until the epoch's loop ends): a shard is
-copied into pages that exist already, which costs a fraction of making new ones."""
-
 
 class Held:
     """A fetched shard's bytes as they were received, on their way to ``window_dir``."""
@@ -310,10 +306,13 @@ class Window:
                 self._count(len(kept))
             else:
                 if self._memory is None:
-                    self._memory = SharedPool(SPARE_SHARDS, "aioload-shard", self._count_freed)
+                    # freed shards' memfds, up to k + ahead, wait for the next shards until the loop
+                    # ends: copying into pages that exist costs a fraction of making new ones, and
+                    # the memfds never outnumber the shards held at the epoch's peak
+                    self._memory = SharedPool(self.k + self.ahead, "aioload-shard", self._count_freed)
                 kept = self._memory.take(len(received))
                 self._count(len(kept))
-                await asyncio.to_thread(SharedPool.fill, kept, received)
+                SharedPool.fill(kept, received)  # a memcpy (a thread's hand-offs would cost more)
             del received
         except Exception as exc:
             self._failed[shard] = exc  # its message names the shard's URL; each read adds its sample
