@@ -193,6 +193,22 @@ def test_nothing_is_left_after_an_error_or_ctrl_c_in_the_loop(server, raised):
     assert all(gone(pid) for pid in pids)
 
 
+def crash(sample):
+    if sample["__key__"].endswith("5"):
+        os._exit(3)  # a worker dies in native code, or is killed
+    return fingerprint(sample)
+
+
+def test_nothing_is_left_after_a_worker_crashes(server):
+    ds = aioload.WebDataset(server.url("wds-{000000..000004}.tar"), window=2, decode=crash)
+    with loader_of(ds, 2) as loader:
+        with pytest.raises(aioload.WorkerCrashedError):
+            for _ in loader:
+                pass
+        wait_until(lambda: none_left(["self"]), 10, "the shards to go after a worker crashed")
+    assert ds._window.held_bytes == 0
+
+
 CHILD = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {root!r})
