@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import os
 import socket
 import urllib.error
 import urllib.request
@@ -52,6 +53,24 @@ def test_gets_ranges_and_heads_over_one_keep_alive_connection(served):
     assert answers[4] == (416, f"bytes */{len(DATA)}", "0", b"")
     assert missing.status == 404
     assert served.requests() == 6
+
+
+def test_the_server_says_how_much_cpu_it_has_used(served):
+    clock_ticks = os.sysconf("SC_CLK_TCK")
+
+    def from_proc() -> float:  # what the kernel counts for the server's process
+        with open(f"/proc/{served.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / clock_ticks
+
+    before = served.cpu_seconds()
+    for _ in range(20):
+        with urllib.request.urlopen(served.base + "sub/a.bin", timeout=30) as resp:
+            assert resp.read() == DATA
+    after = served.cpu_seconds()
+    assert 0 < before < after  # it grows as the server serves bodies
+    assert abs(after - from_proc()) < 0.05 + 2 / clock_ticks
+    assert served.requests() == 20  # asking for it is not a request for a file
 
 
 def test_torch_recipe_and_aioload_storage_read_the_same_bytes(served):

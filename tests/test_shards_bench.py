@@ -50,6 +50,16 @@ def test_every_row_in_every_scenario(tmp_path):
     assert rows["5 ms", "aioload window=2"]["requests_per_sample"] == pytest.approx(4 / 64)
     assert rows["5 ms", "webdataset"]["requests_per_sample"] == pytest.approx(4 / 64)
     assert rows["5 ms", "aioload window=2"]["window_peak_mb"] > 0
+    # behind HTTP: the CPUs the server took over the measured interval, and the rate against the
+    # ceiling scaled to the CPUs it left (never a smaller share than against the whole ceiling)
+    cpus = len(os.sched_getaffinity(0))
+    for row in result["rows"]:
+        if row["scenario"] == "local":
+            assert row["server_cpus"] is None and row["of_ceiling_left"] is None
+        else:
+            assert 0 < row["server_cpus"] < cpus, row
+            assert row["of_ceiling_left"] >= row["of_local_ceiling"], row
+    assert "server CPUs" in done.stdout and "% ceiling left" in done.stdout
     assert rows["local", "LitData"]["disk_mb"] > 0
     assert "behind 20 ms" not in done.stdout  # no 20 ms scenario was asked for
     assert "class mix, aioload uniform:" in done.stdout and "x LitData's img/s (goal >= 1)" in done.stdout

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 
-def _anonymous_fd(size: int, name: str) -> int:
+def anonymous_fd(size: int, name: str) -> int:
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
     else:  # pragma: no cover - non-Linux
@@ -39,7 +39,7 @@ class Segment:
 
     @classmethod
     def create(cls, size: int, name: str = "aioload-slot") -> "Segment":
-        return cls(_anonymous_fd(max(size, 1), name), max(size, 1))
+        return cls(anonymous_fd(max(size, 1), name), max(size, 1))
 
     @property
     def address(self) -> int:

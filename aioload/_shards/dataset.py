@@ -12,14 +12,16 @@ Two ways of reading, one order rule each:
 * ``window=k``: whole shards, each fetched once (:mod:`aioload._shards.window`), and samples
   drawn from ``k`` open shards at a time. The fetcher is shared by every worker, so these
   reads run on the loader's event loop (``read_in_workers`` is false) and a sample of a shard
-  already fetched is handed over at once (``read_nowait``). Ranks take contiguous blocks of
-  the order (``deal = "blocks"``), which keeps each on shards of its own.
+  already fetched is handed over at once (``read_nowait``) as where it lies in the shard's
+  shared memory (:class:`~aioload._handoff.shared.SharedRange`), which the worker maps. Ranks
+  take contiguous blocks of the order (``deal = "blocks"``), which keeps each on shards of
+  its own.
 
 A shard on a local disk is not fetched in either mode: what a read hands over is where the
 sample's bytes are (:class:`_LocalRange`), and the worker reads them just before decoding, so
 the training process spends nothing per sample on them and the page cache holds the shards.
 
-What a read hands a worker is ``(the bytes of the sample's range, index)``; ``decode`` parses
+What a read hands a worker is ``(the sample's range: bytes, or where they are, index)``; ``decode`` parses
 the tar headers inside it, checks that they name the sample the index expects (a shard
 written again since it was indexed is caught here, not decoded as another sample), and turns
 the members into the sample dict ``{"__key__", "__url__", ext: bytes, ...}``, then into the
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 
 from aioload._dataset import NOT_READY, Dataset
+from aioload._handoff.shared import SharedRange
 from aioload._shards import order as _order
 from aioload._shards import probe
 from aioload._shards import tar
@@ -337,11 +340,12 @@ class WebDataset(Dataset):
         # the members are copied out of the range in members(): the range is read without a copy of its own
         return await read_buffer(self.storage, self.urls[shard], start, end - start), index
 
-    def _slice(self, data: bytes | Staged, index: int, shard: int) -> tuple[Any, int]:
+    def _slice(self, data, index: int, shard: int) -> tuple[Any, int]:
         start, end = int(self._starts[index]), int(self._ends[index])
         if isinstance(data, Staged):  # window_dir: the worker reads the sample from the staged copy
             return _LocalRange(data.path, start, end - start, staged=True), index
-        return data[start:end], index
+        # where the sample lies in the shard's shared memory: the worker reads it there
+        return data.range(start, max(0, min(end, len(data)) - start)), index
 
     def read_blocking(self, index: int) -> tuple[Any, int]:
         """A range read from synchronous code (``dataset[i]``, torch's DataLoader): window
@@ -362,7 +366,9 @@ class WebDataset(Dataset):
         shard = int(self.shard_of(index))
         url, key = self.urls[shard], self._keys[index]
         start, end = int(self._starts[index]), int(self._ends[index])
-        if isinstance(data, _LocalRange):
+        if isinstance(data, SharedRange):
+            data = data.view()
+        elif isinstance(data, _LocalRange):
             data = data.read()
             if data is None:  # a staged copy deleted before this worker got to it: ask the shard
                 data = _scope.run_blocking(lambda: self.storage.read_range(url, start, end - start))

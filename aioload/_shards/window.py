@@ -15,14 +15,20 @@ first read and how many reads it has. Then:
   count: the count never holds back a read the loader is waiting for, so it cannot deadlock
   (reads in flight, not the fetcher, decide how far ahead the loader is).
 
-A fetched shard is held as it was received (:class:`Held`): over HTTP, the buffer its body was
-received into, in place, never joined from pieces nor copied into ``bytes`` whole; each read
-copies out its sample alone.
+A fetched shard is held in shared memory (:class:`~aioload._handoff.shared.SharedBytes`, a
+memfd), written there once as it arrives; a read hands over where its sample is in it
+(:class:`~aioload._handoff.shared.SharedRange`): the worker that decodes the sample maps the
+shard and reads the sample in place, so the training process neither copies nor pickles a
+sample's bytes. A shard's memory is freed when its last planned read has been served *and*
+the tasks holding its samples have been answered (its last sample decoded), and at the latest
+when the epoch's loop ends (``break``, an error, ``close()``): the fetcher's hold on an epoch's
+shards is a resource of that loop (:mod:`aioload._storage.scope`).
 
 Memory: at every point of a window order exactly ``k`` shards have begun and not ended, so
 the fetcher holds ``k + ahead`` shards, plus the shards whose first sample lies among the
-reads the loader has in flight beyond them (about ``reads in flight / samples per shard``).
-``figures()`` reports the bytes held now and at the peak.
+reads the loader has in flight beyond them (about ``reads in flight / samples per shard``),
+plus the shards whose last samples are still being decoded (those of the tasks in the
+workers). ``figures()`` reports the bytes held now and at the peak, until each is freed.
 
 Without a plan (``dataset[i]``, a sampler that is not the dataset's order) every read still
 works: its shard is fetched on demand and kept among the ``k`` most recently used.
@@ -45,18 +51,21 @@ import copy
 import os
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from typing import Callable, Sequence
 
 import numpy as np
 
+from aioload._handoff.shared import SharedBytes, SharedPool
+from aioload._storage import scope as _scope
 from aioload._storage.storage import Storage, read_buffer
 
 
+
 class Held:
-    """A fetched shard's bytes as they were received (over HTTP: the buffer the body was
-    received into, never copied whole); each slice is ``bytes`` of its own."""
+    """A fetched shard's bytes as they were received, on their way to ``window_dir``."""
 
     __slots__ = ("_view",)
 
@@ -127,6 +136,8 @@ class Window:
         self.k = k
         self.ahead = ahead
         self._pending: _Plan | None = None  # set by plan() in the training thread, taken on the loop
+        self._lock = threading.Lock()  # held_bytes: shared bytes are freed from any thread
+        self.held_bytes = 0
         self._reset(None)
         # counters over the fetcher's life (read by stats() in the training thread)
         self.fetches = 0
@@ -139,9 +150,12 @@ class Window:
         self._loop = loop
         self._plan: _Plan | None = None
         self._next = 0  # position in the plan's queue of the next shard to fetch ahead
-        self._held: dict[int, Held | Staged] = {}
         self._fetching: dict[int, asyncio.Task] = {}
         self._failed: dict[int, BaseException] = {}
+        for data in getattr(self, "_held", {}).values():
+            if isinstance(data, Staged):
+                self._count(-len(data))
+        self._held: dict[int, SharedBytes | Staged] = {}  # shared bytes freed when no range of them remains
         self._loose: collections.OrderedDict[int, None] = collections.OrderedDict()  # fetched without a plan
         for path in getattr(self, "_trash", ()):
             _unlink(path)
@@ -149,14 +163,27 @@ class Window:
             _unlink(held)
         self._trash: collections.deque[str] = collections.deque()  # freed staged files, deleted after the grace
         self._held_files: set[str] = set()
-        self.held_bytes = 0
+        if getattr(self, "_memory", None) is not None:
+            self._memory.close()  # the freed memfds kept for the next shards
+        self._memory: SharedPool | None = None  # made on the first fetch
+
+    def _count(self, nbytes: int) -> None:
+        """``nbytes`` more (or fewer) bytes held; from any thread (shared bytes are freed where
+        their last reference goes)."""
+        with self._lock:
+            self.held_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state.update(_loop=None, _plan=None, _pending=None, _held={}, _fetching={}, _failed={},
                      _loose=collections.OrderedDict(), held_bytes=0, _next=0, _staging=None, _finalizer=None,
-                     _trash=collections.deque(), _held_files=set())
+                     _trash=collections.deque(), _held_files=set(), _lock=None, _memory=None)
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     # -- the training thread ---------------------------------------------------------------
     def plan(self, indices: Sequence[int]) -> None:
@@ -177,10 +204,17 @@ class Window:
         if loop is not self._loop or pending is not None:
             self._reset(loop)
             self._plan = pending
-            self.peak_bytes = 0  # the peak of each epoch
+            with self._lock:
+                self.peak_bytes = self.held_bytes  # the peak of each epoch
             self._pump()
 
-    def at_hand(self, shard: int) -> Held | Staged | None:
+    def _ended(self, loop) -> None:
+        """The epoch's loop is ending (its last step, after its tasks were cancelled): let go
+        of every shard it held, whatever stopped the epoch."""
+        if loop is self._loop:
+            self._reset(None)
+
+    def at_hand(self, shard: int) -> SharedBytes | Staged | None:
         """The shard's bytes when it is held (nothing is fetched for it here); ``None`` also
         off the loop (a worker's receiving thread, when a loader makes the workers read)."""
         try:
@@ -190,7 +224,7 @@ class Window:
         self._here()
         return self._held.get(shard)
 
-    async def fetched(self, shard: int) -> Held | Staged:
+    async def fetched(self, shard: int) -> SharedBytes | Staged:
         """The shard's bytes, fetched now if need be (a failed fetch raises its error for every
         read of that shard in this epoch, without asking again)."""
         self._here()
@@ -232,10 +266,10 @@ class Window:
                 self._free(self._loose.popitem(last=False)[0])
 
     def _free(self, shard: int) -> None:
-        data = self._held.pop(shard, None)
+        data = self._held.pop(shard, None)  # shared bytes are freed once the ranges handed out are gone too
         if data is not None:
-            self.held_bytes -= len(data)
             if isinstance(data, Staged):
+                self._count(-len(data))
                 self._held_files.discard(data.path)
                 self._trash.append(data.path)
                 while len(self._trash) > self.grace:
@@ -261,26 +295,41 @@ class Window:
         self._fetching[shard] = task
         return task
 
-    async def _fetch(self, shard: int) -> Held | Staged:
+    async def _fetch(self, shard: int) -> SharedBytes | Staged | None:
         url = self.urls[shard]
         try:
-            data = Held(await read_buffer(self.storage, url))
-            kept = await self._stage(shard, data) if self.folder is not None else data
+            # this loop's end lets go of what the fetcher holds for it (see _ended)
+            await _scope.get(("aioload-window", self), lambda: self, _loop_ended)
+            received = await read_buffer(self.storage, url)
+            if self.folder is not None:
+                kept = await self._stage(shard, Held(received))
+                self._count(len(kept))
+            else:
+                if self._memory is None:
+                    # freed shards' memfds, up to k + ahead, wait for the next shards until the loop
+                    # ends: copying into pages that exist costs a fraction of making new ones, and
+                    # the memfds never outnumber the shards held at the epoch's peak
+                    self._memory = SharedPool(self.k + self.ahead, "aioload-shard", self._count_freed)
+                kept = self._memory.take(len(received))
+                self._count(len(kept))
+                SharedPool.fill(kept, received)  # a memcpy (a thread's hand-offs would cost more)
+            del received
         except Exception as exc:
             self._failed[shard] = exc  # its message names the shard's URL; each read adds its sample
             self._fetching.pop(shard, None)
-            return Held(b"")
+            return None
         except BaseException:
             self._fetching.pop(shard, None)
             raise
         self._fetching.pop(shard, None)
         self.fetches += 1
-        self.fetch_bytes += len(data)
+        self.fetch_bytes += len(kept)
         self._held[shard] = kept
-        self.held_bytes += len(data)
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         self._pump()
         return kept
+
+    def _count_freed(self, nbytes: int) -> None:
+        self._count(-nbytes)
 
     async def _stage(self, shard: int, data: Held) -> Staged:
         """Write a fetched shard into this process's staging folder (made on first use)."""
@@ -297,6 +346,10 @@ class Window:
         """Delete what is staged on disk (also done when the fetcher is garbage collected)."""
         if self._finalizer is not None:
             self._finalizer()
+
+
+async def _loop_ended(window: Window) -> None:
+    window._ended(asyncio.get_running_loop())
 
 
 def _again(exc: BaseException) -> BaseException:

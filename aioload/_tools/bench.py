@@ -118,6 +118,7 @@ class Run:
     stats: object = None
     wait_s: float = 0.0
     batches: int = 0
+    side_s: float | None = None  # the ``side_clock`` of measure() over the steady state
 
     @property
     def rate(self) -> float:
@@ -146,11 +147,12 @@ def _count(batch) -> int:
 
 
 def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: int = 1,
-            step_s: float = 0.0, bar=None) -> Run:
+            step_s: float = 0.0, bar=None, side_clock: Callable[[], float] | None = None) -> Run:
     """Iterate a fresh loader; throughput counts the batches after the first one (the first
     one's wait is reported as time to first batch). ``step_s`` is a simulated training step
     after each batch (a sleep: the GIL is released, as while a GPU works); ``bar`` (a tqdm
-    bar, say) gets ``update(1)`` per batch."""
+    bar, say) gets ``update(1)`` per batch; ``side_clock`` (another process's CPU seconds, say)
+    is read when the steady state begins and when it ends, its difference in ``Run.side_s``."""
     gc.collect()
     shm_before = shm_used_mb()  # other programs' files on a shared machine are not this loader's
     loader = make_loader()
@@ -166,6 +168,7 @@ def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: 
     start = time.perf_counter()
     first = None
     steady_from = None
+    side0 = side_s = None
     try:
         for epoch in range(epochs):
             batches_of = iter(loader)
@@ -179,7 +182,9 @@ def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: 
                 now = time.perf_counter()
                 if first is None:
                     first = now - start
-                    steady_from = now
+                    if side_clock is not None:
+                        side0 = side_clock()
+                    steady_from = time.perf_counter()
                     cpu0 = time.process_time()
                 else:
                     waited += now - asked
@@ -203,6 +208,8 @@ def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: 
             del batches_of
         seconds = time.perf_counter() - steady_from - probing_wall if steady_from is not None else 0.0
         cpu = time.process_time() - cpu0 - probing
+        if side0 is not None:
+            side_s = side_clock() - side0
         peak_mem = max(peak_mem, memory_mb())
         stats = loader.stats() if hasattr(loader, "stats") else None
     finally:
@@ -212,7 +219,7 @@ def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: 
         del loader
         gc.collect()
     return Run(name, images, seconds, first or 0.0, cpu, peak_mem, max(0.0, peak_shm - shm_before), stats, waited,
-               batches)
+               batches, side_s)
 
 
 def _timed(work: Callable, share, start, queue) -> None:

@@ -44,12 +44,21 @@ class Server:
 
     def requests(self) -> int:
         """How many requests for files the server has answered so far (GET and HEAD)."""
-        import urllib.request
-
         from aioload._tools.benchserver import COUNT_PATH
 
-        with urllib.request.urlopen(self.base + COUNT_PATH, timeout=30) as response:
-            return int(response.read())
+        return int(self._ask(COUNT_PATH))
+
+    def cpu_seconds(self) -> float:
+        """The CPU seconds the server's process has used so far (all of its threads)."""
+        from aioload._tools.benchserver import CPU_PATH
+
+        return float(self._ask(CPU_PATH))
+
+    def _ask(self, path: str) -> bytes:
+        import urllib.request
+
+        with urllib.request.urlopen(self.base + path, timeout=30) as response:
+            return response.read()
 
     def close(self) -> None:
         proc = self.proc

@@ -15,7 +15,10 @@ SIGKILL; whichever of its threads started the server), and after ``--max-seconds
 ``Range: bytes=a-b`` is answered ``206`` with that part (as object stores do), ``HEAD`` with
 the headers alone; ``--mb-per-s`` paces each response's body to that rate (a store's
 per-connection bandwidth; 0, the default: as fast as the socket takes it). ``GET
-/__requests__`` answers how many requests for files it has had (for requests per sample).
+/__requests__`` answers how many requests for files it has had (for requests per sample),
+``GET /__cpu__`` the CPU seconds this process has used so far (every thread: the bench takes
+the difference over its measured interval, the share of the CPUs the server took from the
+loaders it shares them with). Neither is counted as a request.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ _PIECE = 1 << 18  # bytes read from a file and written at once (unpaced)
 _PACE_CHUNK = 1 << 16  # bytes written at once when paced
 _HEAD_LIMIT = 1 << 16
 COUNT_PATH = "__requests__"
+CPU_PATH = "__cpu__"
 
 
 def served_files(root: Path) -> dict[str, Path]:
@@ -162,8 +166,8 @@ class _Connection(asyncio.Protocol):
         method, target, version = parts
         keep = "close" not in fields.get("connection", "").lower() and version == "HTTP/1.1"
         path = unquote(urlsplit(target).path).lstrip("/")
-        if method == "GET" and path == COUNT_PATH:
-            data = str(self.served.count).encode()
+        if method == "GET" and path in (COUNT_PATH, CPU_PATH):
+            data = str(self.served.count if path == COUNT_PATH else time.process_time()).encode()
             self._send(200, {"Content-Length": str(len(data))}, data)
             return keep
         if method not in ("GET", "HEAD"):

@@ -2,7 +2,9 @@
 
 The pool outlives epochs (workers are kept for the loader's lifetime); a :class:`PoolSession`
 drives it from one epoch's event loop. Each worker has two Unix sockets: one carries tasks and
-replies (length-prefixed pickles), the other carries shared-memory file descriptors.
+replies (length-prefixed pickles), the other carries shared-memory file descriptors: each
+slot's, once, and those of the shared bytes a task's items view, just before that task
+(:mod:`aioload._handoff.shared`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import weakref
 from aioload._workers import wire as _wire
 from aioload._errors import WorkerCrashedError, crash_message, describe_exit, unpack_exception
 from aioload._workers.messages import CancelReads, Done, InitError, Shutdown, Stopped, Task, WorkerReady
+from aioload._handoff import shared as _shared
 from aioload._handoff.shm import Segment, send_fd
 from aioload._workers.worker import PROGRESS_ID, SLOT_HEADER, WorkerConfig, worker_main
 
@@ -351,10 +354,16 @@ class PoolSession:
         queued = request.task
         task = queued._replace(drops=self._drops[wid])
         try:
-            data = _wire.encode(task)
+            with _shared.collecting() as segments:
+                data = _wire.encode(task)
         except Exception as exc:  # noqa: BLE001 - an index or read result that does not pickle
             request.future.set_exception(_wire.unsendable(exc, request.indices))
             return  # nothing was sent: the worker stays free and the pool stays usable
+        for segment in segments:  # the shared bytes its items view: mapped as the worker unpickles it
+            try:
+                send_fd(self.pool.ctrls[wid], segment.fd, SLOT_HEADER.pack(segment.id, segment.size))
+            except OSError:
+                pass  # a dead worker is reported by its task socket
         request.worker = wid
         self._idle.clear()
         self._drops[wid] = []

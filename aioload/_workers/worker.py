@@ -29,6 +29,7 @@ from aioload._workers.messages import (BatchOut, CancelReads, ChunkOut, Done, Dr
                                       ReadReport, ResumeCopy, RowsOut, RowsWork, Shutdown, StartEpoch, Stopped, Task,
                                       TaskError, WholeWork, WorkerReady)
 from aioload._seeding import sample_seed, seed_everything, seed_worker
+from aioload._handoff import shared as _shared
 from aioload._handoff.shm import Segment, recv_fd
 from aioload._workers.reads import FailedRead, WorkerReads
 from aioload._workers.state import CopyState, dataset_note, load_dataset_state
@@ -90,6 +91,7 @@ class _Worker:
         self.reader = _wire.Reader(sock)
         self.ctrl = ctrl
         self.segments: dict[int, Segment] = {}
+        self.shared_fds: dict[int, int] = {}  # shared bytes' descriptors received before they were asked for
         self.layouts: dict[int, tuple] = {}  # slot id -> (description, Layout, column views)
         self.base_seed = cfg.base_seed
         self.per_sample_seeds = True
@@ -120,11 +122,26 @@ class _Worker:
     def segment(self, slot_id: int) -> Segment:
         seg = self.segments.get(slot_id)
         while seg is None:
-            header, fd = recv_fd(self.ctrl, SLOT_HEADER.size)
-            sid, size = SLOT_HEADER.unpack(header)
-            self.segments[sid] = Segment(fd, size)
+            self.receive_fd()
             seg = self.segments.get(slot_id)
         return seg
+
+    def shared_fd(self, segment_id: int) -> int:
+        """The descriptor of the shared bytes ``segment_id``, sent just before the task being
+        unpickled (see :mod:`aioload._handoff.shared`); the caller closes it."""
+        while segment_id not in self.shared_fds:
+            self.receive_fd()
+        return self.shared_fds.pop(segment_id)
+
+    def receive_fd(self) -> None:
+        """The next descriptor on the control socket: a slot's is mapped and kept, shared
+        bytes' kept for :meth:`shared_fd`."""
+        header, fd = recv_fd(self.ctrl, SLOT_HEADER.size)
+        sid, size = SLOT_HEADER.unpack(header)
+        if _shared.is_shared(sid):
+            self.shared_fds[sid] = fd
+        else:
+            self.segments[sid] = Segment(fd, size)
 
     def drop(self, slot_ids) -> None:
         for sid in slot_ids:
@@ -357,7 +374,11 @@ class _Worker:
                 else:
                     load_dataset_state(self.cfg.dataset, msg.record)
                 continue
-            _wire.send_blocking(self.sock, self.run(msg, reading))
+            reply = self.run(msg, reading)
+            # the task's items go before the reply does: the shared bytes they map are unmapped
+            # by the time the loader learns that the task is done (aioload._handoff.shared)
+            message = msg = reading = None
+            _wire.send_blocking(self.sock, reply)
 
     def run(self, task: Task, reading) -> Done | Stopped:
         """One task, its reads (started on arrival, ``reading``) awaited first."""
@@ -450,6 +471,7 @@ def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=()) -> 
     torch.set_num_threads(1)
     progress_memory, progress = _receive_progress(ctrl)
     worker = _Worker(worker_id, cfg, sock, ctrl, progress)
+    _shared.receive_with(worker.shared_fd)
     worker.start_epoch(cfg.base_seed, per_sample_seeds=False)
     try:
         if cfg.worker_init_fn is not None:
@@ -475,3 +497,5 @@ def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=()) -> 
         if worker.reads is not None:
             worker.reads.close()
         worker.drop(list(worker.segments))
+        for fd in worker.shared_fds.values():
+            os.close(fd)
