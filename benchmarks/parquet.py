@@ -55,7 +55,7 @@ import torch
 import aioload
 from aioload._tools import benchscenarios
 from aioload._tools.bench import BenchImages, median, rrc_flip
-from aioload._tools.benchscenarios import COLUMNS, folder_bytes, uniform_classes
+from aioload._tools.benchscenarios import COLUMNS, aioload_loader, decode_pair, folder_bytes, uniform_classes
 from aioload._tools.synth import cache_dir, make_image_folder, make_parquet
 
 UNIFORM = "aioload uniform"
@@ -63,17 +63,6 @@ STREAMING = "datasets streaming"
 ARROW = "datasets Arrow"
 LITDATA = "LitData"
 TORCH_FILES = "torch ImageFolder (files)"
-
-_TRANSFORM = None
-
-
-def decode_pair(jpg, cls):
-    """The one decode every row runs: JPEG bytes -> RandomResizedCrop(224) + flip, and the class."""
-    global _TRANSFORM
-    if _TRANSFORM is None:
-        _TRANSFORM = rrc_flip()
-    return _TRANSFORM(aioload.decode_image(jpg)), int(cls)
-
 
 def decode_row(row):
     return decode_pair(row["image"]["bytes"], row["label"])
@@ -124,11 +113,6 @@ class Data:
 
 
 # ----------------------------------------------------------------------------- the loaders
-
-
-def aioload_loader(ds, args, epoch: int):
-    return aioload.DataLoader(ds, shuffle=True, seed=epoch, batch_size=args.batch_size, num_workers=args.workers,
-                              drop_last=True, io_concurrency=args.io_concurrency)
 
 
 class Streaming(torch.utils.data.IterableDataset):

@@ -54,24 +54,13 @@ import torch
 import aioload
 from aioload._tools import benchscenarios
 from aioload._tools.bench import BenchImages, median, rrc_flip
-from aioload._tools.benchscenarios import COLUMNS, Recorded, folder_bytes, uniform_classes
+from aioload._tools.benchscenarios import COLUMNS, aioload_loader, decode_pair, folder_bytes, uniform_classes
 from aioload._tools.synth import cache_dir, make_image_folder
 
 UNIFORM = "aioload uniform"
 WEBDATASET = "webdataset"
 LITDATA = "LitData"
 TORCH_FILES = "torch ImageFolder (files)"
-
-_TRANSFORM = None
-
-
-def decode_pair(jpg, cls):
-    """The one decode every row runs: JPEG bytes -> RandomResizedCrop(224) + flip, and the class."""
-    global _TRANSFORM
-    if _TRANSFORM is None:
-        _TRANSFORM = rrc_flip()
-    return _TRANSFORM(aioload.decode_image(jpg)), int(cls)
-
 
 def decode_sample(sample):
     return decode_pair(sample["jpg"], sample["cls"])
@@ -139,13 +128,6 @@ def _litdata_item(sample):
 
 
 # ----------------------------------------------------------------------------- the loaders
-
-
-def aioload_loader(ds, args, epoch: int):
-    """The loader plans the epoch from the dataset's order (``epoch_order``) and tells it what
-    it will read (``will_read``), as for any dataset that computes its order."""
-    return aioload.DataLoader(ds, shuffle=True, seed=epoch, batch_size=args.batch_size, num_workers=args.workers,
-                              drop_last=True, io_concurrency=args.io_concurrency)
 
 
 try:

@@ -22,12 +22,34 @@ import torch
 from aioload._tools import bench
 from aioload._tools.bench import Run, ceiling, environment, measure, median, rrc_flip
 from aioload._tools.benchhttp import Server
+from aioload.images import decode_image
 
 COLUMNS = [("img/s", "img_s", "{:.0f}"), ("% ceiling", "of_local_ceiling", "{:.0%}"),
            ("main CPU ms/img", "cpu_ms_per_image", "{:.3f}"), ("req/sample", "requests_per_sample", "{:.3f}"),
            ("peak MB (PSS)", "memory_mb", "{:.0f}"), ("disk MB", "disk_mb", "{:.1f}"),
            ("classes/batch", "classes_per_batch", "{:.2f}")]
 """The table's columns: title, the row's key, its format."""
+
+
+_TRANSFORM = None
+
+
+def decode_pair(jpg, cls):
+    """The one decode every row runs: JPEG bytes -> RandomResizedCrop(224) + flip, and the class."""
+    global _TRANSFORM
+    if _TRANSFORM is None:
+        _TRANSFORM = rrc_flip()
+    return _TRANSFORM(decode_image(jpg)), int(cls)
+
+
+def aioload_loader(ds, args, epoch: int):
+    """aioload's loader of a row: a shuffle seeded by the epoch, ``args``' batches, workers and
+    reads at once. The loader plans the epoch from the dataset's order (``epoch_order``) and
+    tells it what it will read (``will_read``), as for any dataset that computes its order."""
+    from aioload import DataLoader
+
+    return DataLoader(ds, shuffle=True, seed=epoch, batch_size=args.batch_size, num_workers=args.workers,
+                      drop_last=True, io_concurrency=args.io_concurrency)
 
 
 class Recorded:
