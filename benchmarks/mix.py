@@ -23,15 +23,13 @@ noisy: compare within one run.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 import torch
 
 import aioload
-from aioload._tools.bench import environment, median
+from aioload._tools.bench import environment, median, script_main, script_parser
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead  # noqa: E402  (benchmarks/overhead.py: the data and measure())
@@ -98,20 +96,12 @@ def report(result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--images", type=int, default=1024, help="generated JPEGs")
     parser.add_argument("--workers", type=int, default=2, help="worker processes of every loader")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are printed")
-    parser.add_argument("--json", help="also write the rows and settings to this file")
-    args = parser.parse_args(argv)
-    result = run(args)
-    report(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return script_main(parser, argv, run, report)
 
 
 if __name__ == "__main__":

@@ -48,37 +48,23 @@ and medians are printed. Numbers from a shared machine are noisy: compare within
 from __future__ import annotations
 
 import argparse
-import collections
-import json
 import os
 import shutil
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import aioload
-from aioload._tools.bench import BenchImages, ceiling, environment, measure, median, rrc_flip
+from aioload._tools import benchscenarios
+from aioload._tools.bench import BenchImages, median, rrc_flip
+from aioload._tools.benchscenarios import COLUMNS, aioload_loader, decode_pair, folder_bytes, uniform_classes
 from aioload._tools.synth import cache_dir, make_image_folder
 
 UNIFORM = "aioload uniform"
 WEBDATASET = "webdataset"
 LITDATA = "LitData"
 TORCH_FILES = "torch ImageFolder (files)"
-CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-_TRANSFORM = None
-
-
-def decode_pair(jpg, cls):
-    """The one decode every row runs: JPEG bytes -> RandomResizedCrop(224) + flip, and the class."""
-    global _TRANSFORM
-    if _TRANSFORM is None:
-        _TRANSFORM = rrc_flip()
-    return _TRANSFORM(aioload.decode_image(jpg)), int(cls)
-
 
 def decode_sample(sample):
     return decode_pair(sample["jpg"], sample["cls"])
@@ -145,44 +131,7 @@ def _litdata_item(sample):
     return {"jpg": Path(path).read_bytes(), "cls": target}
 
 
-def folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
-
-
 # ----------------------------------------------------------------------------- the loaders
-
-
-class Recorded:
-    """A loader whose batches are counted after the first ``skip`` (the read-ahead buffers)
-    and whose labels are kept: the distinct classes in each full batch."""
-
-    def __init__(self, loader, skip: int, batch_size: int):
-        self.loader, self.skip, self.batch_size = loader, skip, batch_size
-        self.classes: list[int] = []
-
-    def __iter__(self):
-        for i, (images, labels) in enumerate(self.loader):
-            if len(labels) == self.batch_size:
-                self.classes.append(len(set(labels.tolist())))
-            if i >= self.skip:
-                yield images, labels
-            del images
-
-    def stats(self):
-        stats = getattr(self.loader, "stats", None)
-        return stats() if stats is not None else None
-
-    def close(self) -> None:
-        close = getattr(self.loader, "close", None)
-        if close is not None:
-            close()
-
-
-def aioload_loader(ds, args, epoch: int):
-    """The loader plans the epoch from the dataset's order (``epoch_order``) and tells it what
-    it will read (``will_read``), as for any dataset that computes its order."""
-    return aioload.DataLoader(ds, shuffle=True, seed=epoch, batch_size=args.batch_size, num_workers=args.workers,
-                              drop_last=True, io_concurrency=args.io_concurrency)
 
 
 try:
@@ -241,121 +190,31 @@ def extra_disk(name: str, data: Data) -> int:
     return 0
 
 
-def uniform_classes(labels: list[int], batch: int, trials: int = 20) -> float:
-    """Distinct classes per full batch of a uniform shuffle of ``labels`` (the reference)."""
-    g = torch.Generator().manual_seed(0)
-    counts = []
-    tensor = torch.tensor(labels)
-    for _ in range(trials):
-        order = tensor[torch.randperm(len(labels), generator=g)]
-        for i in range(0, len(order) - batch + 1, batch):
-            counts.append(len(set(order[i:i + batch].tolist())))
-    return statistics.fmean(counts)
-
-
 # ----------------------------------------------------------------------------- running
 
 
-def _progress(message: str) -> None:
-    print(f"  {message}", file=sys.stderr, flush=True)
-
-
 def run(args) -> dict:
-    from aioload._tools import bench as _bench
-    from aioload._tools.benchhttp import Server
-
     data = Data(args.images, args.classes, args.shard_size)
-    if args.images < (args.skip_batches + 2) * args.batch_size:
-        raise SystemExit(f"--images {args.images}: at least {args.skip_batches + 2} batches of {args.batch_size} "
-                         "are needed")
-    scenarios = (["local"] if not args.no_local else []) + [f"{x:g} ms" for x in args.latencies]
-    servers: dict[str, Server] = {}
-    results: dict[tuple[str, str], list] = collections.defaultdict(list)
-    ceilings: list[float] = []
-    try:
-        for latency in args.latencies:
-            server = Server(data.shards, latency, mb_per_s=args.mb_per_s)
-            servers[f"{latency:g} ms"] = server
-            _bench.EXCLUDED_PIDS.add(server.proc.pid)
-        rows = {s: rows_for(s, data, servers[s].base if s in servers else None, args) for s in scenarios}
-        paths = data.paths()
-        transform = rrc_flip()
-        per_epoch = args.images // args.batch_size * args.batch_size  # the samples an epoch reads (drop_last)
-        for r in range(args.rounds):
-            ceilings.append(ceiling(paths, transform, args.workers))
-            _progress(f"round {r + 1}/{args.rounds}: local ceiling {ceilings[-1]:.1f} img/s")
-            for scenario in (scenarios if r % 2 == 0 else scenarios[::-1]):
-                names = list(rows[scenario])
-                for name in (names if r % 2 == 0 else names[::-1]):
-                    server = servers.get(scenario)
-                    before = server.requests() if server is not None else 0
-                    box = {}
+    benchscenarios.check_images(args)
 
-                    def make(name=name, scenario=scenario, box=box, r=r):
-                        box["loader"] = Recorded(rows[scenario][name](r), args.skip_batches, args.batch_size)
-                        return box["loader"]
+    def extra(name, result):
+        stats = result.stats
+        return {"aioload_requests_per_sample": getattr(stats, "requests_per_sample", None),
+                "window_peak_mb": (getattr(stats, "shard_window_peak_bytes", 0) or 0) / 1e6,
+                "disk_mb": extra_disk(name, data) / 1e6}
 
-                    result = measure(name, make, side_clock=server.cpu_seconds if server is not None else None)
-                    asked = server.requests() - before if server is not None else 0
-                    # the CPUs the server took from the loaders over the measured interval, and the
-                    # ceiling scaled to the CPUs left: what the loader itself loses
-                    server_cpus = result.side_s / result.seconds if result.side_s is not None and result.seconds else None
-                    left = max(0.0, CPUS - server_cpus) / CPUS if server_cpus is not None else None
-                    loader = box["loader"]
-                    stats = result.stats
-                    results[scenario, name].append({
-                        "img_s": result.rate, "of_local_ceiling": result.rate / ceilings[-1] if ceilings[-1] else 0.0,
-                        "cpu_ms_per_image": result.cpu_ms_per_image,
-                        "server_cpus": server_cpus,
-                        "of_ceiling_left": result.rate / (ceilings[-1] * left) if left and ceilings[-1] else None,
-                        "memory_mb": result.memory_mb, "classes_per_batch": statistics.fmean(loader.classes or [0]),
-                        "requests_per_sample": asked / per_epoch if server is not None else 0.0,
-                        "aioload_requests_per_sample": getattr(stats, "requests_per_sample", None),
-                        "window_peak_mb": (getattr(stats, "shard_window_peak_bytes", 0) or 0) / 1e6,
-                        "disk_mb": extra_disk(name, data) / 1e6,
-                    })
-                    served = f", server {server_cpus:.2f} CPUs" if server_cpus is not None else ""
-                    _progress(f"round {r + 1}/{args.rounds} {scenario:>6} {name:<28} {result.rate:8.1f} img/s, "
-                              f"main CPU {result.cpu_ms_per_image:.3f} ms/img, classes/batch "
-                              f"{results[scenario, name][-1]['classes_per_batch']:.2f}{served}")
-    finally:
-        for server in servers.values():
-            _bench.EXCLUDED_PIDS.discard(server.proc.pid)
-            server.close()
-    local_ceiling = median(ceilings)
-    out = []
-    for scenario in scenarios:
-        for name in rows[scenario]:
-            runs = results[scenario, name]
-            row = {"scenario": scenario, "row": name, "rounds_img_s": [x["img_s"] for x in runs]}
-            for key in runs[0]:
-                values = [x[key] for x in runs if x[key] is not None]
-                row[key] = median(values) if values else None
-            out.append(row)
-    return {"rows": out, "local_ceiling_img_s": local_ceiling, "ceilings": ceilings,
+    out, ceilings = benchscenarios.run_scenarios(args, data.shards, lambda s, base: rows_for(s, data, base, args),
+                                                 data.paths(), extra, width=28)
+    return {"rows": out, "local_ceiling_img_s": median(ceilings), "ceilings": ceilings,
             "uniform_classes_per_batch": uniform_classes(data.labels, args.batch_size),
             "shards": data.shard_count}
-
-
-COLUMNS = [("img/s", "img_s", "{:.0f}"), ("% ceiling", "of_local_ceiling", "{:.0%}"),
-           ("server CPUs", "server_cpus", "{:.2f}"), ("% ceiling left", "of_ceiling_left", "{:.0%}"),
-           ("main CPU ms/img", "cpu_ms_per_image", "{:.3f}"), ("req/sample", "requests_per_sample", "{:.3f}"),
-           ("peak MB (PSS)", "memory_mb", "{:.0f}"), ("disk MB", "disk_mb", "{:.1f}"),
-           ("classes/batch", "classes_per_batch", "{:.2f}")]
 
 
 def print_result(result: dict, args) -> None:
     print(f"\n## Shards: {args.images} images in {result['shards']} class-sorted shards of {args.shard_size}, "
           f"{args.classes} classes; RandomResizedCrop(224) + flip, batch {args.batch_size}, {args.workers} workers, "
           f"{args.rounds} rounds; HTTP paced to {args.mb_per_s:g} MB/s per response\n")
-    header = f"{'scenario':>8}  {'row':28}" + "".join(f" {title:>15}" for title, _, _ in COLUMNS)
-    print(header)
-    for row in result["rows"]:
-        cells = "".join(f" {fmt.format(row[key]) if row[key] is not None else '-':>15}" for _, key, fmt in COLUMNS)
-        print(f"{row['scenario']:>8}  {row['row']:28}{cells}")
-    print(f"\nlocal ceiling (the same decode in {args.workers} bare processes): {result['local_ceiling_img_s']:.0f} img/s "
-          f"(rounds: {', '.join(f'{c:.0f}' for c in result['ceilings'])}); a uniform shuffle gives "
-          f"{result['uniform_classes_per_batch']:.2f} classes per batch of {args.batch_size}")
+    benchscenarios.print_table(result, args, COLUMNS, width=28)
     print_goals(result)
 
 
@@ -365,7 +224,8 @@ def print_goals(result: dict) -> None:
     for name in [n for (s, n) in rows if n.startswith("aioload") and s == "20 ms"]:
         row = rows["20 ms", name]
         left = row["of_ceiling_left"]
-        beside = (f"; {left:.0%} of it scaled to the CPUs the server left ({row['server_cpus']:.2f} of {CPUS} "
+        beside = (f"; {left:.0%} of it scaled to the CPUs the server left ({row['server_cpus']:.2f} of "
+                  f"{benchscenarios.CPUS} "
                   "taken by the server)") if left is not None else ""
         lines.append(f"behind 20 ms, {name}: {row['of_local_ceiling']:.0%} of the local ceiling (goal >= 90%){beside}")
     lit = rows.get(("local", LITDATA))
@@ -377,12 +237,7 @@ def print_goals(result: dict) -> None:
         if torch_row is not None:
             lines.append(f"locally, {name}: main-process CPU {row['cpu_ms_per_image']:.3f} ms/img, torch on files "
                          f"{torch_row['cpu_ms_per_image']:.3f} (goal: no more)")
-    reference = result["uniform_classes_per_batch"]
-    for (scenario, name), row in rows.items():
-        if scenario == "local" and name != TORCH_FILES:
-            lines.append(f"class mix, {name}: {row['classes_per_batch']:.2f} classes per batch, "
-                         f"{row['classes_per_batch'] / reference - 1:+.1%} against a uniform shuffle's {reference:.2f}"
-                         + (" (goal: within 2%)" if name == UNIFORM else ""))
+    lines += benchscenarios.class_mix(result, UNIFORM, TORCH_FILES, "within 2%")
     print("\n" + "\n".join(lines))
 
 
@@ -406,19 +261,8 @@ def main(argv=None) -> int:
                         help="only the rows whose name holds one of these words, comma-separated (e.g. window)")
     parser.add_argument("--json", help="also write the rows and settings to this file")
     args = parser.parse_args(argv)
-    command = "python benchmarks/shards.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
-    run_info = f"{environment()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start"
-    print(f"# Tar shards: aioload, webdataset, LitData\n\nrun: {run_info}\ncommand: {command}", flush=True)
-    started = time.perf_counter()
-    result = run(args)
-    print_result(result, args)
-    end_load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
-    print(f"\ntook {time.perf_counter() - started:.0f} s; load average {end_load[0]:.2f} at the end")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"run": run_info, "command": command, "settings": vars(args), **result}, f, indent=1)
-    return 0
+    return benchscenarios.main("Tar shards: aioload, webdataset, LitData", "benchmarks/shards.py", args, argv, run,
+                               print_result)
 
 
 if __name__ == "__main__":

@@ -31,9 +31,7 @@ less). Numbers from a shared machine are noisy: compare within one run.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import math
 import os
 import sys
@@ -44,7 +42,7 @@ import numpy as np
 import torch
 
 import aioload
-from aioload._tools.bench import median
+from aioload._tools.bench import close_loader, median, script_main, script_parser
 
 TORCH, AIOLOAD = "torch DataLoader", "aioload"
 
@@ -116,9 +114,7 @@ def measure(make_loader, limit: int) -> Run:
                 break
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu0
     finally:
-        close = getattr(loader, "close", None)
-        if close is not None:
-            close()
+        close_loader(loader)
         del loader
         gc.collect()
     return Run(rows, seconds, cpu)
@@ -241,8 +237,7 @@ def report(result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--source", choices=("list", "parquet"), default="list", help="where the documents are")
     parser.add_argument("--documents", type=int, default=3000, help="generated documents")
     parser.add_argument("--seq-len", type=int, default=512)
@@ -254,14 +249,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="the training step's transformer layers")
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5, help="training steps timed")
-    parser.add_argument("--json", help="also write the rows and settings to this file")
-    args = parser.parse_args(argv)
-    result = run(args)
-    report(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return script_main(parser, argv, run, report)
 
 
 if __name__ == "__main__":

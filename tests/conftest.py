@@ -39,3 +39,9 @@ def threads():
     """A two-thread ``ThreadPoolExecutor`` for the tests of one module (``executor=``)."""
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         yield pool
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """``$AIOLOAD_CACHE`` in the test's own folder: no index or footer kept by another test."""
+    monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))

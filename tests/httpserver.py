@@ -38,9 +38,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
+import pathlib
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -124,6 +127,17 @@ class Server:
     @property
     def peak(self) -> int:
         return self._control("state")["peak"]
+
+
+@contextlib.contextmanager
+def serving_copy(folder: str | os.PathLike, tmp_path: pathlib.Path):
+    """A :class:`Server` of a copy of ``folder`` in ``tmp_path / "www"`` (its ``root_path``),
+    so that a test may cut or change the files it serves."""
+    copy = tmp_path / "www"
+    shutil.copytree(folder, copy)
+    with Server(copy) as s:
+        s.root_path = copy
+        yield s
 
 
 def _encode(fault):

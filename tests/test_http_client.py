@@ -28,6 +28,7 @@ import aioload
 from aioload._shards import probe
 from aioload._storage import h1
 from aioload._storage import scope as _scope
+from tests.loopstall import longest_stall
 
 ONCE = aioload.RetryPolicy(attempts=1, timeout=30)
 THRICE = aioload.RetryPolicy(attempts=3, backoff=0.001, max_delay=0.01, timeout=30)
@@ -402,17 +403,6 @@ def test_invalid_answers_fail_at_once_and_say_why(answer, reason):
     assert f"({reason})" in str(err)
     assert str(err).endswith("not retried: the server does not answer in HTTP/1.1 as this client reads it")
     assert (err.attempts, requests) == (1, 1)
-
-
-async def longest_stall(until: asyncio.Event) -> float:
-    """The longest time the running loop went without running this coroutine, until
-    ``until`` is set: how long something held the loop (a few ms when nothing did)."""
-    longest, last = 0.0, asyncio.get_running_loop().time()
-    while not until.is_set():
-        await asyncio.sleep(0.005)
-        now = asyncio.get_running_loop().time()
-        longest, last = max(longest, now - last), now
-    return longest
 
 
 def test_a_head_line_of_blanks_is_parsed_without_holding_the_loop():

@@ -19,6 +19,7 @@ import re
 import time
 
 import aioload
+from tests.loopstall import longest_stall
 
 TIMEOUT = 2.0  # a request's timeout: also the longest the loop may be held
 BUDGET_S = 12.0  # the random rounds' share of the test's time
@@ -156,15 +157,6 @@ class Fuzzer:
         finally:
             writer.close()
             self.tasks.discard(asyncio.current_task())
-
-
-async def longest_stall(until: asyncio.Event) -> float:
-    longest, last = 0.0, asyncio.get_running_loop().time()
-    while not until.is_set():
-        await asyncio.sleep(0.005)
-        now = asyncio.get_running_loop().time()
-        longest, last = max(longest, now - last), now
-    return longest
 
 
 def check(request_id: int, url: str, asked, outcome, given: Answer, whole: bytes) -> str | None:

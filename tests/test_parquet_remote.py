@@ -7,7 +7,6 @@ it lost with the file, row group and row named (``on_error="skip"`` leaves them 
 from __future__ import annotations
 
 import re
-import shutil
 from collections import Counter
 
 import pyarrow.parquet as pq
@@ -15,8 +14,10 @@ import pytest
 import torch
 
 import aioload
-from tests.httpserver import Server
+from tests.httpserver import serving_copy
 from tests.parquet_data import image_samples, reference, write_datasets, write_pyarrow
+
+pytestmark = pytest.mark.usefixtures("private_cache")  # conftest.py: $AIOLOAD_CACHE of its own
 
 RETRY = aioload.RetryPolicy(attempts=3, backoff=0.01, timeout=10)
 NAMES = [f"part-{n:03d}.parquet" for n in range(3)]
@@ -35,17 +36,10 @@ def folder(samples, tmp_path_factory):
     return root
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
-
-
 @pytest.fixture
 def server(folder, tmp_path):
-    copy = tmp_path / "www"
-    shutil.copytree(folder, copy)
-    with Server(copy) as s:
-        s.root_path = copy
+    """A server of a copy of the files (tests may cut them)."""
+    with serving_copy(folder, tmp_path) as s:
         yield s
 
 

@@ -18,10 +18,12 @@ import torch
 import aioload
 from aioload._storage import h1
 from aioload._storage import scope as _scope
-from tests.httpserver import Server
+from tests.httpserver import serving_copy
 from tests.shards_data import (fingerprint, image_samples, rewrite_member, small_shard, webdataset_reads, write_aioload,
                                write_webdataset)
 from tests.storeserver import StoreServer
+
+pytestmark = pytest.mark.usefixtures("private_cache")  # conftest.py: $AIOLOAD_CACHE of its own
 
 RETRY = aioload.RetryPolicy(attempts=2, backoff=0.01, timeout=10)
 
@@ -39,18 +41,10 @@ def folder(samples, tmp_path_factory):
     return root
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
-
-
 @pytest.fixture
 def server(folder, tmp_path):
-    """A server of a copy of the shards (tests may cut them)."""
-    copy = tmp_path / "www"
-    shutil.copytree(folder, copy)
-    with Server(copy) as s:
-        s.root_path = copy
+    """A server of a copy of the files (tests may cut them)."""
+    with serving_copy(folder, tmp_path) as s:
         yield s
 
 

@@ -17,9 +17,7 @@ file's start, an encrypted footer, a footer pyarrow cannot parse) raises
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +27,7 @@ import numpy as np
 
 from aioload._shards import probe
 from aioload._storage.storage import Storage
-
-logger = logging.getLogger("aioload")
+from aioload._storage.versioned import VersionedFiles
 
 TAIL = 64 << 10
 """Bytes read from a file's end to find its footer: enough for the footers of files with a few
@@ -172,32 +169,19 @@ async def read_footer(storage: Storage, url: str, size: int) -> bytes:
 
 
 # -- the cache ---------------------------------------------------------------------------------
-class FooterCache:
+class FooterCache(VersionedFiles):
     """Footers kept in a local folder, one file per file version."""
 
     def __init__(self, folder: str | os.PathLike):
-        self.folder = Path(folder)
-
-    def _path(self, url: str, version: probe.Version) -> Path:
-        digest = hashlib.sha256(f"{url}\n{version.size}\n{version.tag}".encode("utf-8", "surrogateescape"))
-        return self.folder / f"{digest.hexdigest()[:40]}.footer"
+        super().__init__(folder, ".footer")
 
     def get(self, url: str, version: probe.Version) -> bytes | None:
-        try:
-            raw = self._path(url, version).read_bytes()
-        except FileNotFoundError:
-            return None
-        return raw if raw[-4:] == MAGIC else None  # a file cut short by a crash: read again
+        raw = self.read(url, version)
+        return raw if raw is not None and raw[-4:] == MAGIC else None  # a file cut short by a crash: read again
 
     def put(self, url: str, version: probe.Version, raw: bytes) -> None:
-        path = self._path(url, version)
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(raw)
-            os.replace(tmp, path)
-        except OSError as exc:  # a read-only cache costs a footer read next time, nothing more
-            logger.warning("could not keep the footer of %s in %s: %s", url, self.folder, exc)
+        # a read-only cache costs a footer read next time, nothing more
+        self.write(url, version, raw, f"the footer of {url}")
 
 
 def default_cache_folder() -> Path:

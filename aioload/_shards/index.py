@@ -38,7 +38,6 @@ raises :class:`ShardError` instead of handing over other bytes.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -50,6 +49,7 @@ from aioload._shards import probe, tar
 from aioload._storage.redact import redact
 from aioload._storage.retry import RemoteReadError
 from aioload._storage.storage import Storage, locate
+from aioload._storage.versioned import VersionedFiles
 
 logger = logging.getLogger("aioload")
 
@@ -297,37 +297,25 @@ def _sidecar_fits(index: ShardIndex, version: probe.Version, url: str, where: st
     return True
 
 
-class IndexCache:
+class IndexCache(VersionedFiles):
     """Indexes kept in a local folder, one file per shard version."""
 
     def __init__(self, folder: str | os.PathLike):
-        self.folder = Path(folder)
-
-    def _path(self, url: str, version: probe.Version) -> Path:
-        digest = hashlib.sha256(f"{url}\n{version.size}\n{version.tag}".encode("utf-8", "surrogateescape"))
-        return self.folder / f"{digest.hexdigest()[:40]}.json"
+        super().__init__(folder, ".json")
 
     def get(self, url: str, version: probe.Version) -> ShardIndex | None:
-        path = self._path(url, version)
-        try:
-            text = path.read_bytes()
-        except FileNotFoundError:
+        text = self.read(url, version)
+        if text is None:
             return None
         try:
-            index = ShardIndex.from_json(text, str(path))
+            index = ShardIndex.from_json(text, str(self.path(url, version)))
         except ShardError:
             return None  # a file cut short by a crash, say: made again
         return index if index.size == version.size else None
 
     def put(self, url: str, version: probe.Version, index: ShardIndex) -> None:
-        path = self._path(url, version)
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(index.to_json())
-            os.replace(tmp, path)
-        except OSError as exc:  # a read-only cache costs a pass next time, nothing more
-            logger.warning("could not keep the index of %s in %s: %s", redact(url), self.folder, exc)
+        # a read-only cache costs a pass next time, nothing more
+        self.write(url, version, index.to_json().encode(), f"the index of {redact(url)}")
 
 
 def default_cache_folder() -> Path:

@@ -2,7 +2,8 @@
 ``Storage``), ``http`` (one HTTP request attempt: limits, redirects, errors) over ``h1`` (the
 HTTP/1.1 client: connections and keep-alive pools), ``fsspec``, ``retry``, ``cache`` (in
 memory) and ``diskcache`` (a shared folder), ``mounts`` (which local paths are network file
-systems), ``scope`` (pools and clients that live as long as an event loop) ``arrived``
+systems), ``scope`` (pools and clients that live as long as an event loop), ``versioned`` (files kept
+per version of a file elsewhere: indexes, footers), ``arrived``
 (bytes a read received beyond those it returns, for the statistics) and ``redact`` (URLs as
 messages show them, without credentials).
 """

@@ -1,4 +1,5 @@
 """The ``aioload`` command and what it runs: ``cli``, ``bench`` (side by side with torch's
-DataLoader) with ``benchhttp``/``benchserver``/``benchplot``, and ``synth`` (the generated
+DataLoader) with ``benchhttp``/``benchserver``/``benchplot`` and
+``benchscenarios`` (the shards' and Parquet benchmarks' common run), and ``synth`` (the generated
 default data).
 """

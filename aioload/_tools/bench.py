@@ -7,8 +7,10 @@ median of each column is reported.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -141,6 +143,13 @@ class Run:
         return min(1.0, self.wait_s / self.seconds) if self.seconds > 0 else 0.0
 
 
+def close_loader(loader) -> None:
+    """Close a loader that has ``close()`` (aioload's); torch's has none."""
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
+
+
 def _count(batch) -> int:
     first = batch[0] if isinstance(batch, (list, tuple)) else batch
     return len(first) if hasattr(first, "__len__") else 1
@@ -213,9 +222,7 @@ def measure(name: str, make_loader: Callable, limit: int | None = None, epochs: 
         peak_mem = max(peak_mem, memory_mb())
         stats = loader.stats() if hasattr(loader, "stats") else None
     finally:
-        close = getattr(loader, "close", None)
-        if close is not None:
-            close()
+        close_loader(loader)
         del loader
         gc.collect()
     return Run(name, images, seconds, first or 0.0, cpu, peak_mem, max(0.0, peak_shm - shm_before), stats, waited,
@@ -319,3 +326,22 @@ def environment() -> str:
     return (f"python {sys.version.split()[0]}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
             f"{os.cpu_count()} CPUs, {sys.platform}, start method default, "
             f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
+
+
+def script_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark script's parser: its docstring's first paragraph, defaults in the help."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def script_main(parser: argparse.ArgumentParser, argv, run: Callable, report: Callable) -> int:
+    """A benchmark script's ``main``: ``--json`` added last to ``parser``, the result of
+    ``run(args)`` given to ``report`` (which may add to it), then written where ``--json`` says."""
+    parser.add_argument("--json", help="also write the rows and settings to this file")
+    args = parser.parse_args(argv)
+    result = run(args)
+    report(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
