@@ -297,14 +297,22 @@ class Connection(asyncio.BufferedProtocol):
         ``Content-Length`` commits memory only as its bytes arrive (a server that announces
         256 MiB and sends 10 bytes costs a megabyte, not 256 MiB)."""
         body = bytearray(min(n, BODY_START))
-        have = min(n, self._end - self._start)
-        if have:
-            body[:have] = self._view[self._start:self._start + have]
-            self._start += have
-        while have < n:
+        have = 0
+        while True:
+            # bytes already received into the head buffer come first: the loop may have read
+            # more after the last sink filled and before this coroutine ran again (uvloop does)
+            buffered = min(n - have, self._end - self._start)
+            if buffered:
+                if have + buffered > len(body):
+                    body.extend(bytes(min(n, max(2 * len(body), have + buffered)) - len(body)))
+                body[have:have + buffered] = self._view[self._start:self._start + buffered]
+                self._start += buffered
+                have += buffered
+            if have == n:
+                break
             if have == len(body):
                 body.extend(bytes(min(n, 2 * len(body)) - len(body)))  # no view of it is held now
-            self._start = self._end = 0
+            self._start = self._end = 0  # the head buffer is empty (every byte in it was taken above)
             self._sink, self._sunk = memoryview(body)[have:], 0
             try:
                 while self._sink is not None:
