@@ -402,14 +402,16 @@ class Planner:
             # the epoch goes on drawing from torch's global RNG as the saved run's epoch did (the
             # dataset's own random draws too), from where the plan's draws left it
             torch.set_rng_state(drawn)
-        plan = Plan(batches=numbered, base_seed=base, per_sample_seeds=per_sample_seeds, delivered=delivered)
+        plan = Plan(batches=numbered, base_seed=base, per_sample_seeds=per_sample_seeds, delivered=delivered,
+                    epoch=epoch)
         copies = None
         if self.iterable or _stateful.is_stateful(t.dataset):
             entry = resume.get("stateful") if resume is not None else None
             ranks = distributed_rank()
             plan.copies, plan.first_worker, copies = _stateful.resume_plan(
                 entry, progress is not None, t.num_workers, epoch, 1 if ranks is None else ranks[1],
-                iterable=self.iterable, carry=t.persistent_workers or t.num_workers == 0)
+                iterable=self.iterable, carry=t.persistent_workers or t.num_workers == 0,
+                buffered=self.iterable and _stateful.drops_buffered_rows(t.dataset))
             self.last_copies = copies
             if early and self.iterable and plan.copies:  # its state is loaded already (above)
                 first = plan.copies[0]

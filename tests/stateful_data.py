@@ -143,3 +143,20 @@ class RandomMap(torch.utils.data.Dataset):
 
     def load_state_dict(self, state: dict) -> None:
         torch.set_rng_state(state["rng"])
+
+
+class Epoched(torch.utils.data.IterableDataset):
+    """Like :class:`Uneven`, with ``set_epoch`` (as a Hugging Face streaming dataset has): each
+    item comes with the epoch its copy was last given, and ``epochs`` lists them."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+        self.epoch = -1  # never given one
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        return iter([(item, self.epoch) for item in worker_slice(self.sizes)])
