@@ -280,8 +280,8 @@ def _check_record(record, path: str, wid: int) -> None:
         raise _fail(f"{path}.fetcher_state", "must be a dict with 'dataset_iter_state' and 'fetcher_ended'")
     if not isinstance(fetcher["fetcher_ended"], bool):
         raise _fail(f"{path}.fetcher_state.fetcher_ended", f"must be a bool, got {reprlib.repr(fetcher['fetcher_ended'])}")
-    _check_depth(record["dataset_state"], f"{path}.dataset_state")
-    _check_depth(fetcher["dataset_iter_state"], f"{path}.fetcher_state.dataset_iter_state")
+    check_depth(record["dataset_state"], f"{path}.dataset_state")
+    check_depth(fetcher["dataset_iter_state"], f"{path}.fetcher_state.dataset_iter_state")
 
 
 VALUE_DEPTH = 64
@@ -289,7 +289,7 @@ VALUE_DEPTH = 64
 saved by recursive code, which a deeper one would overflow)."""
 
 
-def _check_depth(value, path: str) -> None:
+def check_depth(value, path: str) -> None:
     """``value`` nests containers at most :data:`VALUE_DEPTH` deep (walked without recursion)."""
     stack = [(value, 0)]
     while stack:
