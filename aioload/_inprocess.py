@@ -45,7 +45,7 @@ class InProcessIterator(EpochIterator):
         ctx = source._start_in_process()
         if ctx.iterable:  # a resumed epoch gives the dataset its saved state first (aioload._stateful)
             copies = ctx.plan.copies
-            self._copy = CopyState(0, ctx.dataset, copies[0] if copies else None)
+            self._copy = CopyState(0, ctx.dataset, copies[0] if copies else None, ctx.plan.epoch)
         return ctx
 
     def _fetch(self, ctx: EpochContext):

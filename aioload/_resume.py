@@ -16,7 +16,8 @@ A state is plain data (dicts, lists or tuples, strings, ints, bools, ``None``), 
          "inexact": None | "<why>",       # the position inside the epoch was not saved
          "order_seed": None | 7,          # the seed the epoch's order was computed from
          "segments": [[4, 10, []]]},      # earlier parts of the epoch on other world sizes
-     "stateful": {...}}                   # optional: an IterableDataset's copies (aioload._stateful)
+     "stateful": {...},                   # optional: an IterableDataset's copies (aioload._stateful)
+     "sampler": <sampler.state_dict()>}   # optional: a Stateful sampler's, at the epoch's start
 
 ``rng`` holds generator states at the start of the epoch in progress (between epochs: as they
 are now, torch's global RNG excepted), so that replaying the sampler gives the same order.
@@ -30,7 +31,11 @@ also]``) and the rest of the epoch is dealt again over the ``M`` ranks
 (:mod:`aioload._plan.elastic`).
 
 The ``stateful`` entry holds the dataset's own states, which may be any value (a tensor, say):
-it is checked by :func:`aioload._stateful.check` and exempt from the plain-data rule.
+it is checked by :func:`aioload._stateful.check` and exempt from the plain-data rule. So is
+``sampler``: the state a Stateful sampler (or batch sampler) returned from ``state_dict()`` at
+the start of the epoch in progress (between epochs: now), before the epoch's ``iter()``. A
+resumed epoch gives it back through ``load_state_dict()`` and replays the sampler from it,
+skipping the delivered batches.
 
 A state with ``inexact`` stands for the start of its epoch: saving never fails, and loading it
 warns with :class:`ResumeWarning` (see docs/reproducibility.md).
@@ -355,8 +360,9 @@ def unpack(state, exp: Expected) -> dict:
         raise ResumeError(
             f"not an aioload.DataLoader state of version {VERSION}: pass what loader.state_dict() returned"
         )
-    _check_plain({key: value for key, value in state.items() if key != "stateful"})
-    _keys(state, "the state", ("aioload_state", "epoch", "config", "rng", "progress"), ("kept_base", "mix", "stateful"))
+    _check_plain({key: value for key, value in state.items() if key not in ("stateful", "sampler")})
+    _keys(state, "the state", ("aioload_state", "epoch", "config", "rng", "progress"),
+          ("kept_base", "mix", "stateful", "sampler"))
     cfg = _check_config(state["config"], exp)
     epoch = _int(state["epoch"], "epoch", 0, _EPOCH_MAX)
     prog = state["progress"]
@@ -364,11 +370,13 @@ def unpack(state, exp: Expected) -> dict:
     kept = _check_kept(state.get("kept_base"), exp.config["base_seeds"])
     world = cfg.get("world_size")
     mix = _check_mix(state.get("mix"), exp.mix, mid_epoch=prog is not None)
-    from aioload._stateful import check as check_stateful
+    from aioload._stateful import check_depth, check as check_stateful
 
+    sampler = state.get("sampler")
+    check_depth(sampler, "sampler")
     return {"epoch": epoch, "rng": rng, "progress": None if prog is None else _check_progress(prog, exp, world),
             "kept_base": kept, "world_size": world, "mix": mix,
-            "stateful": check_stateful(state.get("stateful"), exp.iterable)}
+            "stateful": check_stateful(state.get("stateful"), exp.iterable), "sampler": sampler}
 
 
 def _check_mix(mix, names: tuple[str, ...] | None, mid_epoch: bool) -> dict | None:

@@ -330,6 +330,7 @@ class Planner:
         self.iterable = iterable
         self._kept_base: tuple[int, int] | None = None  # (epoch, base seed) drawn for persistent workers
         self.last_copies: _stateful.Copies | None = None  # an IterableDataset's, from its last epoch
+        self.sampler_start: Any = None  # a Stateful sampler's state at the start of the epoch in progress
         mix = self._mix()
         self.tally = SourceTally(mix.dataset.names, mix.dataset.offsets) if mix is not None else None
 
@@ -359,6 +360,13 @@ class Planner:
             # around the plan's own draws below, and goes on from after them
             _stateful.load_dataset_state(t.dataset, resume["stateful"]["workers"]["worker_0"])
         progress = resume.get("progress") if resume is not None else None
+        sampler = self._stateful_sampler()
+        if sampler is not None:
+            # its own state at the epoch's start, before the epoch's iter(): a resumed epoch gives
+            # it back first, and the sampler is replayed from it
+            if resume is not None and resume.get("sampler") is not None:
+                sampler.load_state_dict(copy.deepcopy(resume["sampler"]))
+            self.sampler_start = copy.deepcopy(sampler.state_dict())
         with _resume.restored(saved, generators):
             start = _resume.snapshot(generators)
             if self.iterable:
@@ -394,7 +402,8 @@ class Planner:
             skip = Delivered()
         delivered = skip.copy()
         pairs = self._announce(pairs, skip)
-        replayable = _replayable(t._index_sampler) and not (progress is not None and progress["batches"] is not None)
+        replayable = ((_replayable(t._index_sampler) or sampler is not None)
+                      and not (progress is not None and progress["batches"] is not None))
         numbered = _Numbered(pairs, skip, delivered, record=not replayable and not self.iterable,
                              limit=_len_or_none(t._index_sampler), tally=self.tally.pulled if self.tally else None)
         if lazy and progress is not None and not len(skip) and not _taken(resume) and drawn is not None:
@@ -402,14 +411,16 @@ class Planner:
             # the epoch goes on drawing from torch's global RNG as the saved run's epoch did (the
             # dataset's own random draws too), from where the plan's draws left it
             torch.set_rng_state(drawn)
-        plan = Plan(batches=numbered, base_seed=base, per_sample_seeds=per_sample_seeds, delivered=delivered)
+        plan = Plan(batches=numbered, base_seed=base, per_sample_seeds=per_sample_seeds, delivered=delivered,
+                    epoch=epoch)
         copies = None
         if self.iterable or _stateful.is_stateful(t.dataset):
             entry = resume.get("stateful") if resume is not None else None
             ranks = distributed_rank()
             plan.copies, plan.first_worker, copies = _stateful.resume_plan(
                 entry, progress is not None, t.num_workers, epoch, 1 if ranks is None else ranks[1],
-                iterable=self.iterable, carry=t.persistent_workers or t.num_workers == 0)
+                iterable=self.iterable, carry=t.persistent_workers or t.num_workers == 0,
+                buffered=self.iterable and _stateful.drops_buffered_rows(t.dataset))
             self.last_copies = copies
             if early and self.iterable and plan.copies:  # its state is loaded already (above)
                 first = plan.copies[0]
@@ -670,12 +681,32 @@ class Planner:
             copies = self.last_copies
             if copies is not None and copies.stateful():  # the copies' own states (an epoch counter)
                 state["stateful"] = copies.entry()
+            self._add_sampler_state(state, None)
             return state
         state = _resume.pack(progress.epoch, self.config(), progress.rng, self._position(progress), self._kept_base,
                              mix=self._mix_state(True))
         if progress.copies is not None and progress.copies.started():
             state["stateful"] = progress.copies.entry()
+        self._add_sampler_state(state, self.sampler_start)
         return state
+
+    def _stateful_sampler(self):
+        """The loader's sampler (or batch sampler) where it is Stateful (``state_dict`` and
+        ``load_state_dict``), else ``None``."""
+        if self.iterable:
+            return None
+        index_sampler = self.torch._index_sampler
+        for sampler in (index_sampler, _user_sampler(index_sampler)):
+            if _stateful.is_stateful(sampler):
+                return sampler
+        return None
+
+    def _add_sampler_state(self, state: dict, at_start) -> None:
+        """A Stateful sampler's own state, under ``"sampler"``: ``at_start`` (its state at the
+        start of the epoch in progress), or between epochs its state now (the next epoch's start)."""
+        sampler = self._stateful_sampler()
+        if sampler is not None:
+            state["sampler"] = copy.deepcopy(sampler.state_dict()) if at_start is None else copy.deepcopy(at_start)
 
     def _position(self, progress: EpochProgress) -> dict:
         """Where the epoch in progress is. Where that cannot be saved exactly, the state
@@ -716,6 +747,7 @@ class Planner:
             ranks = distributed_rank()
             state["stateful"] = _stateful.initial_entry(dataset.state_dict(), self.torch.num_workers,
                                                         1 if ranks is None else ranks[1])
+        self._add_sampler_state(state, None)  # its epoch's iter() has not run yet
         return state
 
     def _peek_base(self, epoch: int, rng: dict) -> int:

@@ -29,7 +29,9 @@ epoch, a resumed copy loads its record before it yields anything; a copy that is
 is fast-forwarded instead, dropping its ``taken`` items (:class:`FastForwardWarning` names that
 cost). Between epochs (``progress`` is ``None``) only the ``dataset_state`` s apply, to the
 copies of the next epoch (an epoch counter, a shuffle seed), and only where the copies would
-have lived on: persistent workers, or ``num_workers=0`` (torch's fresh workers get fresh copies). A state saved with another number
+have lived on: persistent workers, or ``num_workers=0`` (torch's fresh workers get fresh copies);
+a copy that a carried state leaves with nothing to yield (the end of the last epoch's stream)
+starts its stream again, as the live copy did. A state saved with another number
 of workers resumes its epoch from the start (:class:`~aioload._resume.ResumeWarning`): each
 worker's copy holds its own part of the stream; so does one saved with another number of ranks
 (a rank's copies hold that rank's part: each rank loads the state it saved).
@@ -42,10 +44,10 @@ import warnings
 
 from aioload._resume import ResumeError, ResumeWarning
 from aioload._workers.messages import CopyNote, ResumeCopy
-from aioload._workers.state import is_stateful, load_dataset_state
+from aioload._workers.state import drops_buffered_rows, is_stateful, load_dataset_state
 
-__all__ = ["Copies", "FastForwardWarning", "check", "initial_entry", "is_stateful", "load_dataset_state",
-           "resume_plan"]
+__all__ = ["Copies", "FastForwardWarning", "check", "drops_buffered_rows", "initial_entry", "is_stateful",
+           "load_dataset_state", "resume_plan"]
 
 
 class FastForwardWarning(ResumeWarning):
@@ -134,11 +136,12 @@ def initial_entry(dataset_state, num_workers: int, world_size: int) -> dict:
 
 
 def resume_plan(entry: dict | None, mid_epoch: bool, num_workers: int, epoch: int, world_size: int = 1,
-                iterable: bool = True, carry: bool = True):
+                iterable: bool = True, carry: bool = True, buffered: bool = False):
     """What a resumed iterable epoch starts from: ``(copies, first worker, Copies)`` where
     ``copies`` is one :class:`~aioload._workers.messages.ResumeCopy` (or ``None``) per worker,
     or ``(None, 0, Copies(num_workers))`` where nothing applies. Warns where the epoch cannot
-    resume exactly (another number of workers)."""
+    resume exactly (another number of workers). ``buffered``: the dataset has a state that drops
+    its shuffle buffer's rows (:func:`drops_buffered_rows`), which the fast-forward warning says."""
     fresh = Copies(num_workers, world_size)
     if entry is None or (not mid_epoch and not carry):
         # between epochs, the copies' states carry over only where the copies do: persistent
@@ -163,7 +166,7 @@ def resume_plan(entry: dict | None, mid_epoch: bool, num_workers: int, epoch: in
                 f"epoch before the save are delivered again; resume with num_workers={entry['num_workers']} to "
                 "continue where it was", ResumeWarning, stacklevel=5)
         return None, 0, fresh
-    warn_fast_forward(entry, mid_epoch, epoch)
+    warn_fast_forward(entry, mid_epoch, epoch, buffered)
     copies = Copies.resumed(entry, fresh=not mid_epoch)
     sent = []
     for wid in range(len(copies.records)):
@@ -191,7 +194,7 @@ def _map_plan(entry: dict, mid_epoch: bool, num_workers: int, world_size: int):
     return sent, 0, copies
 
 
-def warn_fast_forward(entry: dict | None, mid_epoch: bool, epoch: int) -> None:
+def warn_fast_forward(entry: dict | None, mid_epoch: bool, epoch: int, buffered: bool = False) -> None:
     """Name the cost of resuming the copies that are not Stateful: the items they drop."""
     if entry is None or not mid_epoch:
         return
@@ -203,6 +206,15 @@ def warn_fast_forward(entry: dict | None, mid_epoch: bool, epoch: int) -> None:
         return
     total = sum(count for _, count in dropped)
     each = ", ".join(f"worker {wid}: {count}" for wid, count in dropped)
+    if buffered:
+        warnings.warn(
+            f"this state resumes epoch {epoch} of a Hugging Face IterableDataset shuffled with a buffer by "
+            "fast-forwarding: its state_dict() does not hold the rows in its shuffle buffer (they would be lost), "
+            f"so each copy runs __iter__ again, in the same order (its seed and epoch), and drops the items it "
+            f"delivered before the save, {total} in all ({each}), which costs as much as loading them did (the "
+            "exact resume; loading the dataset's own state would lose the buffered rows)",
+            FastForwardWarning, stacklevel=6)
+        return
     warnings.warn(
         f"this state resumes epoch {epoch} of an IterableDataset that has no state_dict()/load_state_dict() (nor "
         f"has its iterator) by fast-forwarding: each copy runs __iter__ again and drops the items it delivered "
@@ -268,8 +280,8 @@ def _check_record(record, path: str, wid: int) -> None:
         raise _fail(f"{path}.fetcher_state", "must be a dict with 'dataset_iter_state' and 'fetcher_ended'")
     if not isinstance(fetcher["fetcher_ended"], bool):
         raise _fail(f"{path}.fetcher_state.fetcher_ended", f"must be a bool, got {reprlib.repr(fetcher['fetcher_ended'])}")
-    _check_depth(record["dataset_state"], f"{path}.dataset_state")
-    _check_depth(fetcher["dataset_iter_state"], f"{path}.fetcher_state.dataset_iter_state")
+    check_depth(record["dataset_state"], f"{path}.dataset_state")
+    check_depth(fetcher["dataset_iter_state"], f"{path}.fetcher_state.dataset_iter_state")
 
 
 VALUE_DEPTH = 64
@@ -277,7 +289,7 @@ VALUE_DEPTH = 64
 saved by recursive code, which a deeper one would overflow)."""
 
 
-def _check_depth(value, path: str) -> None:
+def check_depth(value, path: str) -> None:
     """``value`` nests containers at most :data:`VALUE_DEPTH` deep (walked without recursion)."""
     stack = [(value, 0)]
     while stack:

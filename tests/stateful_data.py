@@ -143,3 +143,43 @@ class RandomMap(torch.utils.data.Dataset):
 
     def load_state_dict(self, state: dict) -> None:
         torch.set_rng_state(state["rng"])
+
+
+class Epoched(torch.utils.data.IterableDataset):
+    """Like :class:`Uneven`, with ``set_epoch`` (as a Hugging Face streaming dataset has): each
+    item comes with the epoch its copy was last given, and ``epochs`` lists them."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+        self.epoch = -1  # never given one
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        return iter([(item, self.epoch) for item in worker_slice(self.sizes)])
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """A sampler with a state of its own: how many epochs it has drawn, which seeds each
+    epoch's order (torch's samplers keep nothing of the kind)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.epochs = 0
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epochs)).tolist()
+        self.epochs += 1
+        return iter(order)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict:
+        return {"epochs": self.epochs}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epochs = state["epochs"]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import aioload
-from aioload._stateful import FastForwardWarning
+from aioload._stateful import FastForwardWarning, drops_buffered_rows, is_stateful
 from tests.frameworks.launch import LAUNCH_TIMEOUT, SCRIPTS, run_ranks
 from tests.hf_data import Replayed, ids, stream, write_files
 from tests.resumption import may_fast_forward, resumed, roundtrip, uninterrupted
@@ -87,6 +87,24 @@ def test_a_shuffled_stream_without_its_own_state_resumes_by_replaying_it(files, 
     assert resumed(make, ids, [5, 9 + len(full) // 2], epochs=2, on_epoch=set_dataset_epoch, loading=expect) == full
 
 
+def test_a_shuffle_buffers_own_state_is_not_taken_as_exact(files):
+    # Its state drops the buffered rows: the stream is replayed (its order is its seed and epoch's)
+    for rank in (None, 0):
+        assert drops_buffered_rows(stream(files["parquet"], shuffle=True, rank=rank, world=2))
+        assert not is_stateful(stream(files["parquet"], shuffle=True, rank=rank, world=2))
+        assert is_stateful(stream(files["parquet"], shuffle=False, rank=rank, world=2))
+    assert not drops_buffered_rows(Replayed(stream(files["parquet"], shuffle=True)))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resuming_a_shuffle_buffer_says_why_it_replays(files, workers):
+    make = factory(files["parquet"], True, workers)
+    full = uninterrupted(make, ids)
+    expect = lambda: pytest.warns(FastForwardWarning, match=r"shuffled with a buffer by fast-forwarding: its "  # noqa: E731
+                                  r"state_dict\(\) does not hold the rows in its shuffle buffer")
+    assert resumed(make, ids, [5], loading=expect) == full
+
+
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
 def test_a_reshuffled_stream_resumes_in_its_second_epoch(files, persistent):
     make = factory(files["parquet"], True, 2, persistent_workers=persistent)
@@ -100,9 +118,8 @@ def test_a_reshuffled_stream_resumes_in_its_second_epoch(files, persistent):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_state_saved_between_epochs_resumes_the_next_epoch_whole(files, workers):
-    # The stream's state after its epoch ran out says "at the end"; handed to the next epoch's
-    # copies (which do not call set_epoch here, so the state's epoch matches theirs) it would
-    # leave that epoch empty.
+    # The stream's state after its epoch ran out says "at the end" of epoch 0; the next epoch's
+    # copies (the dataset itself in process) get set_epoch(1) from the loader, so it does not apply.
     make = factory(files["parquet"], False, workers)
     full = uninterrupted(make, ids, epochs=2)
     with make() as loader:
@@ -115,10 +132,10 @@ def test_a_state_saved_between_epochs_resumes_the_next_epoch_whole(files, worker
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_epoch_after_a_resumed_one_is_whole(files, workers):
-    # Two epochs, no set_epoch on the stream (the loop torch's DataLoader users write): the
+    # Two epochs, no set_epoch of the loop's own (the loop torch's DataLoader users write): the
     # resumed copies loaded the saved position, and the next epoch must not start there again
-    # (datasets keeps a loaded state and applies it to every later __iter__ of the same epoch
-    # number; torch's workers are new copies each epoch).
+    # (datasets applies a loaded state to every later __iter__ of the same epoch number; the
+    # loader's set_epoch on each epoch's copies moves them on).
     make = factory(files["parquet"], False, workers)
     full = uninterrupted(make, ids, epochs=2)
     assert resumed(make, ids, [5], epochs=2) == full

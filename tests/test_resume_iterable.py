@@ -206,3 +206,18 @@ def test_a_state_saved_between_epochs_resumes_the_next_epoch_whole(kind, workers
     with make() as loader:
         loader.load_state_dict(state)
         assert first + [items(b) for b in loader] == full
+
+
+def test_persistent_workers_resume_the_epoch_after_a_state_saved_between_epochs_whole():
+    # Persistent workers carry their copies' states to the next epoch (an epoch counter); a
+    # carried state that leaves a copy nothing to yield was the end of the last epoch's stream,
+    # and the copy starts its stream again, as the uninterrupted run's copy did.
+    make = factory("stateful", persistent_workers=True)
+    full = uninterrupted(make, items, epochs=2)
+    with make() as loader:
+        first = [items(b) for b in loader]
+        state = roundtrip(loader.state_dict())
+    assert state["progress"] is None
+    with make() as loader:
+        loader.load_state_dict(state)
+        assert first + [items(b) for b in loader] == full

@@ -14,7 +14,7 @@ import torch
 import aioload
 from aioload._resume import ResumeWarning
 from aioload._stateful import FastForwardWarning
-from tests.stateful_data import Counted, RandomWalk, Uneven, identity
+from tests.stateful_data import Counted, Epoched, RandomWalk, Uneven, identity
 
 SIZES = [0, 100, 37]  # uneven, one worker empty
 
@@ -303,3 +303,36 @@ def test_between_epochs_a_datasets_state_carries_over_only_where_its_copies_woul
     assert state["progress"] is None and "stateful" in state
     assert first != second
     assert resumed(factory, state) == second
+
+
+@pytest.mark.parametrize("num_workers,persistent", [(0, False), (2, False), (2, True)],
+                         ids=["in-process", "fresh-workers", "persistent-workers"])
+def test_each_epochs_copies_get_set_epoch_with_the_loaders_epoch(num_workers, persistent):
+    # as Accelerate's loader and the Hugging Face Trainer do for a streaming dataset
+    dataset = Epoched([3, 4])
+    with make(dataset, num_workers=num_workers, persistent_workers=persistent) as loader:
+        loader.set_epoch(5)
+        epochs = [{epoch for b in loader for _, epoch in b} for _ in range(2)]
+    assert epochs == [{5}, {6}]
+    if num_workers == 0:
+        assert dataset.epochs == [5, 6]  # the dataset itself, once each epoch
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_stateful_samplers_own_state_at_the_epochs_start_is_given_back(num_workers):
+    # The sampler's order depends on its own epoch count: the resumed epoch replays it from the
+    # state it had at the epoch's start, and the next epoch goes on from there.
+    from tests.stateful_data import EpochSampler
+
+    def factory():
+        return make(list(range(20)), sampler=EpochSampler(20), batch_size=3, num_workers=num_workers)
+
+    with factory() as loader:
+        full = [b for _ in range(3) for b in loader]
+    head, state = interrupted(factory, 4, epochs_before=1)
+    assert state["sampler"] == {"epochs": 1}
+    assert state["progress"]["batches"] is None  # replayed from its state, not written out
+    assert head + resumed(factory, state, epochs=2) == full
+    with factory() as loader:
+        list(loader)
+        assert loader.state_dict()["sampler"] == {"epochs": 1}  # between epochs: the next one's start

@@ -251,7 +251,7 @@ class Engine:
         async with asyncio.TaskGroup() as outer:
             serve = outer.create_task(session.serve())
             try:
-                await session.broadcast(StartEpoch(self.plan.base_seed, self.plan.per_sample_seeds))
+                await session.broadcast(StartEpoch(self.plan.base_seed, self.plan.per_sample_seeds, self.plan.epoch))
                 for wid, resume in enumerate(self.plan.copies or ()):
                     if resume is not None and wid < self.pool.num_workers:
                         session.send(wid, resume)  # before any task: its saved state (aioload._stateful)

@@ -139,6 +139,7 @@ class Plan:
     # from scratch), and the worker the epoch's first batch comes from (round-robin)
     copies: tuple | None = None
     first_worker: int = 0
+    epoch: int = 0  # the loader's epoch (an IterableDataset's copies get set_epoch(epoch))
 
 
 class Failure:

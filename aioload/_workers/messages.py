@@ -20,10 +20,12 @@ from typing import Any, NamedTuple
 
 
 class StartEpoch(NamedTuple):
-    """An epoch begins: the worker seeds its RNGs as torch seeds a worker of this epoch."""
+    """An epoch begins: the worker seeds its RNGs as torch seeds a worker of this epoch, and
+    its copy of an ``IterableDataset`` gets ``set_epoch(epoch)`` where it has one."""
 
     base_seed: int  # the epoch's base seed (a worker's seed is base seed + worker id)
     per_sample_seeds: bool  # seed= given: every sample is seeded from (base seed, index)
+    epoch: int = 0  # the loader's epoch
 
 
 class ResumeCopy(NamedTuple):

@@ -24,6 +24,18 @@ same::
 Restoring follows torchdata's order: the dataset's state, then ``iter(dataset)``, then the
 iterator's state. What the values hold is the dataset's business: they are passed on as they
 are (tensors included), never inspected.
+
+Before any of that, at each epoch's start, a copy with a callable ``set_epoch`` (a Hugging Face
+streaming dataset, a webdataset-like one) gets ``set_epoch(epoch)`` with the loader's epoch, as
+Accelerate's loader and the Hugging Face ``Trainer`` call it: a new shuffle each epoch, and a
+state saved in another epoch is not applied (``datasets`` applies a loaded state only while its
+epoch is the state's).
+
+A Hugging Face ``datasets.IterableDataset`` shuffled with a buffer (``.shuffle(buffer_size=)``)
+has ``state_dict()`` and ``load_state_dict()``, but its state drops the rows held in the buffer
+(its own docstring says so) and fails to load in a worker; its order is a function of its seed
+and epoch, so replaying it is exact: it is not taken as Stateful here
+(:func:`drops_buffered_rows`), and a resumed copy is fast-forwarded.
 """
 
 from __future__ import annotations
@@ -34,8 +46,39 @@ from aioload._workers.messages import CopyNote
 
 
 def is_stateful(obj) -> bool:
-    """Whether ``obj`` follows the Stateful protocol (``state_dict`` and ``load_state_dict``)."""
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    """Whether ``obj`` follows the Stateful protocol (``state_dict`` and ``load_state_dict``)
+    with a state that resumes it exactly (not a shuffle buffer's: :func:`drops_buffered_rows`)."""
+    return (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+            and not drops_buffered_rows(obj))
+
+
+_CHAIN_LIMIT = 256  # examples iterables looked at in one dataset's chain (a cycle stops there too)
+
+
+def drops_buffered_rows(obj) -> bool:
+    """Whether ``obj`` is a Hugging Face ``datasets.IterableDataset`` whose examples pass a
+    shuffle buffer (a ``BufferShuffledExamplesIterable`` in its ``_ex_iterable`` chain), whose
+    state loses the rows the buffer holds. Found by class name, without importing ``datasets``."""
+    todo, seen = [getattr(obj, "_ex_iterable", None)], 0
+    while todo and seen < _CHAIN_LIMIT:
+        node = todo.pop()
+        if node is None:
+            continue
+        seen += 1
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            return True
+        todo.append(getattr(node, "ex_iterable", None))
+        more = getattr(node, "ex_iterables", None)  # interleaved or concatenated sources
+        if isinstance(more, (list, tuple)):
+            todo.extend(more)
+    return False
+
+
+def forward_epoch(dataset, epoch: int) -> None:
+    """``dataset.set_epoch(epoch)`` where the copy has a callable ``set_epoch``."""
+    set_epoch = getattr(dataset, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
 
 
 def record(worker_id: int, dataset, iterator, ended: bool) -> dict:
@@ -51,20 +94,27 @@ def record(worker_id: int, dataset, iterator, ended: bool) -> dict:
 
 class CopyState:
     """One copy of an iterable in one epoch: its iterator, whether to capture its state, and
-    whether it ran out. Made when the epoch's first batch is asked of the copy; ``resume`` (a
-    :class:`~aioload._workers.messages.ResumeCopy`) gives it the saved state first."""
+    whether it ran out. Made when the epoch's first batch is asked of the copy: it gets
+    ``set_epoch(epoch)`` first, then ``resume`` (a :class:`~aioload._workers.messages.ResumeCopy`)
+    gives it the saved state."""
 
-    __slots__ = ("worker_id", "dataset", "iterator", "capture", "ended")
+    __slots__ = ("worker_id", "dataset", "iterator", "capture", "ended", "restart")
 
-    def __init__(self, worker_id: int, dataset, resume=None):
+    def __init__(self, worker_id: int, dataset, resume=None, epoch: int = 0):
         self.worker_id = worker_id
         self.dataset = dataset
+        forward_epoch(dataset, epoch)
         saved = resume.record if resume is not None else None
         fetcher = (saved or {}).get("fetcher_state") or {}
         if resume is not None and resume.fresh:  # a new epoch after the saved one: a new iterator
             fetcher = {}
+        # A state carried over from the last epoch's end that leaves the copy nothing to yield
+        # was the end of that epoch's stream: the live copy's next __iter__ started the stream
+        # again, and so does this one (see batch())
+        self.restart = False
         if saved is not None and saved.get("dataset_state") is not None and is_stateful(dataset):
             dataset.load_state_dict(saved["dataset_state"])
+            self.restart = resume.fresh
         self.iterator: Any = iter(dataset)
         self.capture = is_stateful(dataset) or is_stateful(self.iterator)
         self.ended = bool(fetcher.get("fetcher_ended", False))
@@ -85,22 +135,26 @@ class CopyState:
         run out (as torch's fetcher: an iterator that ended is not asked again)."""
         if self.ended:
             return None
-        if batch_size is None:
-            try:
-                return [next(self.iterator)]
-            except StopIteration:
-                self.ended = True
-                return None
+        items = self._take(batch_size or 1)
+        if self.restart:
+            self.restart = False
+            if not items:  # the carried state was the end of the last epoch's stream
+                self.ended = False
+                self.iterator = iter(self.dataset)
+                items = self._take(batch_size or 1)
+        if not items or (batch_size is not None and drop_last and len(items) < batch_size):
+            return None
+        return items
+
+    def _take(self, count: int) -> list:
         # next() each time: islice would call iter() on the iterator, and an iterator that is its
         # own dataset may start over in __iter__
         items, step = [], self.iterator.__next__
         try:
-            for _ in range(batch_size):
+            for _ in range(count):
                 items.append(step())
         except StopIteration:
             self.ended = True
-        if not items or (drop_last and len(items) < batch_size):
-            return None
         return items
 
 

@@ -103,7 +103,7 @@ class _Worker:
         self.inbox: queue.SimpleQueue | None = None  # with reads here: (message, reading) in arrival order
 
     # -- set-up -------------------------------------------------------------------------
-    def start_epoch(self, base_seed: int, per_sample_seeds: bool) -> None:
+    def start_epoch(self, base_seed: int, per_sample_seeds: bool, epoch: int = 0) -> None:
         """Seed as torch seeds a worker started for this epoch. A fresh worker already seeded
         from this base seed (after worker_init_fn, which may seed in its turn), and one whose
         streams go on across epochs (``keep_rng``, torch's persistent workers), keep their RNG
@@ -111,6 +111,7 @@ class _Worker:
         resumed epoch replays its seeds)."""
         self.base_seed = base_seed
         self.per_sample_seeds = per_sample_seeds
+        self.epoch = epoch  # given to the epoch's copy of an IterableDataset (its set_epoch)
         self.copy = None
         self.resume = None
         reused = self.served and not self.cfg.keep_rng
@@ -346,7 +347,7 @@ class _Worker:
         started = time.perf_counter()
         try:
             if self.copy is None:
-                self.copy = CopyState(self.id, cfg.dataset, self.resume)
+                self.copy = CopyState(self.id, cfg.dataset, self.resume, self.epoch)
                 self.resume = None
             samples = self.copy.batch(cfg.batch_size if cfg.auto_collation else None, cfg.drop_last)
         except Exception as exc:  # noqa: BLE001
@@ -363,7 +364,7 @@ class _Worker:
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, StartEpoch):
-                self.start_epoch(msg.base_seed, msg.per_sample_seeds)
+                self.start_epoch(msg.base_seed, msg.per_sample_seeds, msg.epoch)
                 continue
             if isinstance(msg, DropSlots):
                 self.drop(msg.slot_ids)
