@@ -5,6 +5,8 @@ speed: the figures are whatever this machine gives, and must only be present and
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.benchscripts import check_scenario_rows, run_benchmark
