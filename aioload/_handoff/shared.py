@@ -1,9 +1,10 @@
 """Bytes received into shared memory, handed to the workers as ``(segment, offset, length)``.
 
 A read that fetches one large object for many samples (window mode's shards,
-:mod:`aioload._shards.window`) copies it into a :class:`SharedBytes` (a memfd, as the batch
-slots are: :mod:`aioload._handoff.shm`; recycled by a :class:`SharedPool`) and hands each
-sample over as a :class:`SharedRange` of it.
+:mod:`aioload._shards.window`) receives it straight into a :class:`SharedBytes` (a memfd, as
+the batch slots are: :mod:`aioload._handoff.shm`; recycled by a :class:`SharedPool`; see
+``aioload._storage.storage.read_into``) and hands each sample over as a :class:`SharedRange` of
+it.
 Inside a task (:mod:`aioload._workers.pool`), a range pickles as its segment's id, offset and
 length: the pool sends the segment's file descriptor on the worker's control socket just
 before the task, once per task and segment (:func:`collecting` says which), and the worker
@@ -118,8 +119,8 @@ class SharedBytes:
 
 class SharedPool:
     """Where :class:`SharedBytes` come from: memfds recycled, so that each new object's bytes
-    are copied into pages that exist already (making and freeing the pages of a fresh memfd
-    costs several times the copy). At most ``spare`` freed memfds wait for the next object;
+    are written into pages that exist already (making and freeing the pages of a fresh memfd
+    costs several times the writing). At most ``spare`` freed memfds wait for the next object;
     ``close()`` frees those, and every one returned after it. ``on_release(size)`` is told when
     shared bytes are let go."""
 
@@ -132,7 +133,8 @@ class SharedPool:
         self.closed = False
 
     def take(self, size: int) -> SharedBytes:
-        """Shared bytes of ``size`` (to fill with :meth:`fill`)."""
+        """Shared bytes of ``size`` (to receive into through :meth:`SharedBytes.view`, or to fill
+        with :meth:`fill`)."""
         with self._lock:
             memory = self._free.pop() if self._free else None
         if memory is None:

@@ -16,7 +16,8 @@ first read and how many reads it has. Then:
   (reads in flight, not the fetcher, decide how far ahead the loader is).
 
 A fetched shard is held in shared memory (:class:`~aioload._handoff.shared.SharedBytes`, a
-memfd), written there once as it arrives; a read hands over where its sample is in it
+memfd), received straight into it (``_storage.storage.read_into``: the socket's or the file's
+bytes land in its mapping, with no buffer in between); a read hands over where its sample is in it
 (:class:`~aioload._handoff.shared.SharedRange`): the worker that decodes the sample maps the
 shard and reads the sample in place, so the training process neither copies nor pickles a
 sample's bytes. A shard's memory is freed when its last planned read has been served *and*
@@ -60,7 +61,7 @@ import numpy as np
 
 from aioload._handoff.shared import SharedBytes, SharedPool
 from aioload._storage import scope as _scope
-from aioload._storage.storage import Storage, read_buffer
+from aioload._storage.storage import Storage, read_buffer, read_into
 
 
 
@@ -300,20 +301,11 @@ class Window:
         try:
             # this loop's end lets go of what the fetcher holds for it (see _ended)
             await _scope.get(("aioload-window", self), lambda: self, _loop_ended)
-            received = await read_buffer(self.storage, url)
             if self.folder is not None:
-                kept = await self._stage(shard, Held(received))
+                kept = await self._stage(shard, Held(await read_buffer(self.storage, url)))
                 self._count(len(kept))
             else:
-                if self._memory is None:
-                    # freed shards' memfds, up to k + ahead, wait for the next shards until the loop
-                    # ends: copying into pages that exist costs a fraction of making new ones, and
-                    # the memfds never outnumber the shards held at the epoch's peak
-                    self._memory = SharedPool(self.k + self.ahead, "aioload-shard", self._count_freed)
-                kept = self._memory.take(len(received))
-                self._count(len(kept))
-                SharedPool.fill(kept, received)  # a memcpy (a thread's hand-offs would cost more)
-            del received
+                kept = await self._receive(url)
         except Exception as exc:
             self._failed[shard] = exc  # its message names the shard's URL; each read adds its sample
             self._fetching.pop(shard, None)
@@ -328,8 +320,34 @@ class Window:
         self._pump()
         return kept
 
-    def _count_freed(self, nbytes: int) -> None:
-        self._count(-nbytes)
+    async def _receive(self, url: str) -> SharedBytes:
+        """The shard received straight into shared memory: the socket's bytes (or the file's)
+        land in a memfd's mapping, with no buffer in between and no copy. A retry takes a
+        memfd of its own (the failed attempt's goes back to the pool)."""
+        if self._memory is None:
+            # freed shards' memfds, up to k + ahead, wait for the next shards until the loop
+            # ends: writing into pages that exist costs a fraction of making new ones, and the
+            # memfds never outnumber the shards held at the epoch's peak
+            self._memory = SharedPool(self.k + self.ahead, "aioload-shard")
+        memory = self._memory
+        taken: list[SharedBytes] = []
+
+        def into(size: int) -> memoryview:
+            taken.clear()  # a retry's buffer: the failed attempt's memfd goes back to the pool
+            shared = memory.take(size)
+            taken.append(shared)
+            return shared.view()
+
+        try:
+            await read_into(self.storage, url, into)
+        except BaseException:
+            taken.clear()  # not kept alive by the error's traceback (this frame's locals)
+            raise
+        kept = taken[0]
+        # counted once received, until its last reference goes (from whichever thread)
+        self._count(kept.size)
+        weakref.finalize(kept, self._count, -kept.size)
+        return kept
 
     async def _stage(self, shard: int, data: Held) -> Staged:
         """Write a fetched shard into this process's staging folder (made on first use)."""

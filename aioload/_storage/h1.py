@@ -302,29 +302,56 @@ class Connection(asyncio.BufferedProtocol):
             # bytes already received into the head buffer come first: the loop may have read
             # more after the last sink filled and before this coroutine ran again (uvloop does)
             buffered = min(n - have, self._end - self._start)
-            if buffered:
-                if have + buffered > len(body):
-                    body.extend(bytes(min(n, max(2 * len(body), have + buffered)) - len(body)))
-                body[have:have + buffered] = self._view[self._start:self._start + buffered]
-                self._start += buffered
-                have += buffered
+            if have + buffered > len(body):
+                body.extend(bytes(min(n, max(2 * len(body), have + buffered)) - len(body)))
+            with memoryview(body) as view:
+                have = self._buffered(view, have, n)
+                if have == n:
+                    return body
+                if have < len(body):
+                    have = await self._sink_into(view, have, n)
+                    continue
+            body.extend(bytes(min(n, 2 * len(body)) - len(body)))  # no view of it is held now
+
+    async def read_into(self, view: memoryview) -> None:
+        """The next ``len(view)`` bytes, received in place into ``view`` (a writable buffer of
+        bytes the caller owns, a shared memory mapping for instance): the socket's bytes land
+        there directly, with no buffer in between. ``Closed`` if the connection ends first;
+        what was written by then is the caller's to discard."""
+        n = view.nbytes
+        have = 0
+        while True:
+            have = self._buffered(view, have, n)
             if have == n:
-                break
-            if have == len(body):
-                body.extend(bytes(min(n, 2 * len(body)) - len(body)))  # no view of it is held now
-            self._start = self._end = 0  # the head buffer is empty (every byte in it was taken above)
-            self._sink, self._sunk = memoryview(body)[have:], 0
-            try:
-                while self._sink is not None:
-                    await self._more()
-            except Closed:
-                raise self._closed(f"the server closed the connection after {have + self._sunk} of {n} bytes") from None
-            finally:
-                have += self._sunk
-                sink, self._sink = self._sink, None
-                if sink is not None:
-                    sink.release()
-        return body
+                return
+            have = await self._sink_into(view, have, n)
+
+    def _buffered(self, view: memoryview, have: int, n: int) -> int:
+        """Move the bytes the head buffer holds of the next ``n - have`` into ``view[have:]``
+        (as many as fit); the bytes written by then."""
+        buffered = min(n - have, self._end - self._start, view.nbytes - have)
+        if buffered:
+            view[have:have + buffered] = self._view[self._start:self._start + buffered]
+            self._start += buffered
+        return have + buffered
+
+    async def _sink_into(self, view: memoryview, have: int, n: int) -> int:
+        """Receive into ``view[have:]`` until it is full (the loop writes the socket's bytes
+        there: ``get_buffer``); the bytes written by then, or ``Closed``. The head buffer holds
+        no byte of the body when it is called (every one was taken first)."""
+        self._start = self._end = 0
+        self._sink, self._sunk = view[have:], 0
+        try:
+            while self._sink is not None:
+                await self._more()
+        except Closed:
+            raise self._closed(f"the server closed the connection after {have + self._sunk} of {n} bytes") from None
+        finally:
+            have += self._sunk
+            sink, self._sink = self._sink, None
+            if sink is not None:
+                sink.release()
+        return have
 
     async def take(self, most: int) -> bytes:
         """Up to ``most`` (> 0) of the next bytes, as soon as there are some; ``b""`` once the

@@ -199,6 +199,16 @@ def get(client: Client, url: str, timeout: float, offset: int | None = None, len
     return _attempt(client, url, timeout, "GET", redirects, _Read(offset, length, max_bytes, decompress))
 
 
+def get_into(client: Client, url: str, timeout: float, into, *, max_bytes: int, decompress: bool,
+             redirects: str) -> Awaitable[int]:
+    """One attempt at the whole body, received into ``into(size)`` (a writable byte
+    ``memoryview`` of ``size`` bytes, asked for once the size is known, and released once
+    written): its size, or Transient/Permanent. A body of known length is received there
+    directly from the socket; any other (chunked, encoded) is gathered first and copied in.
+    Each attempt asks for a buffer of its own and writes it from its start."""
+    return _attempt(client, url, timeout, "GET", redirects, _Into(into, max_bytes, decompress))
+
+
 def head(client: Client, url: str, timeout: float, *, redirects: str, first_byte: bool = False) -> Awaitable[h1.Head]:
     """One attempt at the head of ``url``'s answer to ``HEAD`` (or, with ``first_byte``, to a
     ``GET`` of its first byte, for servers that refuse ``HEAD``), redirects followed."""
@@ -392,6 +402,44 @@ class _Read:
         if self.offset is not None and keep.seen > len(data):  # a range read answered with more than the range
             arrived.dropped(keep.seen - len(data))  # (the whole body, Range ignored): what arrived is counted
         return data
+
+
+class _Into(_Read):
+    """What a GET attempt of a whole body received into a caller's buffer keeps: its size."""
+
+    def __init__(self, into, max_bytes: int, decompress: bool):
+        super().__init__(None, None, max_bytes, decompress)
+        self.into = into
+
+    async def take(self, conn: h1.Connection, resp: h1.Head) -> int:
+        expected = resp.length
+        encoding = (resp.headers.get("content-encoding") or "identity").strip().lower() or "identity"
+        if resp.status != 200 or expected is None or (self.decompress and encoding != "identity"):
+            data = await super().take(conn, resp)  # gathered (or refused) as any read is, then copied in
+            _write(self.into(len(data)), data)
+            return len(data)
+        if expected > self.max_bytes:
+            raise _too_large(f"the body of {expected} bytes (Content-Length) is larger than "
+                             f"max_bytes={self.max_bytes}", 200)
+        view = self.into(expected)
+        try:
+            if view.nbytes != expected:
+                raise ValueError(f"a buffer of {view.nbytes} bytes was given for a body of {expected}")
+            try:
+                await conn.read_into(view)
+            except h1.Closed as exc:
+                raise Transient(f"truncated body: {exc} (Content-Length)", 200) from exc
+        finally:
+            view.release()
+        self.complete = True
+        return expected
+
+
+def _write(view: memoryview, data) -> None:
+    with view:
+        if view.nbytes != len(data):
+            raise ValueError(f"a buffer of {view.nbytes} bytes was given for a body of {len(data)}")
+        view[:] = data
 
 
 def _check_content_range(resp: h1.Head, offset: int) -> None:

@@ -20,7 +20,7 @@ import asyncio
 import os
 import random
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 from urllib.parse import unquote, urlsplit
 
 import aiofiles.os
@@ -242,6 +242,49 @@ async def read_buffer(storage: Storage, target: str | os.PathLike, offset: int |
     if length == 0:
         return b""
     return await storage._read(os.fspath(target), offset, length)
+
+
+async def read_into(storage: Storage, target: str | os.PathLike, into: Callable[[int], memoryview]) -> int:
+    """The whole content of ``target`` received into the buffer ``into(size)`` returns (a
+    writable byte ``memoryview`` of exactly ``size`` bytes, which this releases once it is
+    written), without a buffer of its own in between: a local file is ``readinto`` it, an
+    HTTP body of known length is received there from the socket. Returns the size. A retry
+    asks ``into`` for a buffer again and writes it from its start, so the caller keeps the
+    last one it gave (earlier ones hold a failed attempt's bytes). An HTTP body without a
+    ``Content-Length`` (chunked, or decoded with ``decompress=True``), a cached read and an
+    fsspec read are gathered first and copied in. A local file that changes size while it is
+    read raises ``OSError``."""
+    target = os.fspath(target)
+    kind, where = locate(target)
+    if kind == "local" and storage._cache_for(kind) is None:
+        return await asyncio.to_thread(_read_local_into, where, into)
+    if kind == "http" and storage._cache_for(kind) is None:
+        policy = storage.retry
+        client = _http.existing(storage) or await _http.client(storage, storage.connections_per_host, storage.headers)
+        attempt = lambda: _http.get_into(client, where, policy.timeout, into, max_bytes=storage.max_bytes,  # noqa: E731
+                                         decompress=storage.decompress, redirects=storage.redirects)
+        return await retrying(policy, where, attempt, storage._rng)
+    data = await storage._read(target, None, None)
+    with into(len(data)) as view:
+        view[:] = data
+    return len(data)
+
+
+def _read_local_into(path, into: Callable[[int], memoryview]) -> int:
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        with into(size) as view:
+            have = 0
+            while have < size:
+                got = f.readinto(view[have:])
+                if not got:
+                    raise OSError(f"{os.fsdecode(path)}: the file ended after {have} of its {size} bytes: it "
+                                  "changed while it was read; read it again once it is no longer written to")
+                have += got
+        if f.read(1):
+            raise OSError(f"{os.fsdecode(path)}: the file grew beyond its {size} bytes while it was read; "
+                          "read it again once it is no longer written to")
+    return size
 
 
 async def _cache_call(cache, method, *args):
