@@ -20,8 +20,11 @@ logger = logging.getLogger("aioload")
 class Version(Protocol):
     """What tells one version of a file from another (``aioload._shards.probe.Version``)."""
 
-    size: int
-    tag: str
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def tag(self) -> str: ...
 
 
 class VersionedFiles:
