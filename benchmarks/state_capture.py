@@ -31,8 +31,6 @@ and read a cost within a few percent as none.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
@@ -40,7 +38,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 import aioload
-from aioload._tools.bench import environment, measure, median
+from aioload._tools.bench import environment, measure, median, script_main, script_parser
 
 TORCH = "torch DataLoader"
 TD_PLAIN, TD_STATE, TD_SAVE = "torchdata, no state", "torchdata, Stateful", "torchdata, state_dict() every batch"
@@ -185,22 +183,14 @@ def report(result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--rows", type=int, default=24576, help="rows in an epoch")
     parser.add_argument("--workers", type=int, default=2, help="worker processes of every loader")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are printed")
     parser.add_argument("--state", choices=["position", "rng"], default="position",
                         help="what the Stateful dataset saves (see the module's docstring)")
-    parser.add_argument("--json", help="also write the rows and settings to this file")
-    args = parser.parse_args(argv)
-    result = run(args)
-    report(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return script_main(parser, argv, run, report)
 
 
 if __name__ == "__main__":
