@@ -55,9 +55,9 @@ def test_make_shards_refuses_two_files_of_one_key_naming_both(image_root, tmp_pa
     done = aioload_cli("make-shards", str(src), str(tmp_path / "out"), cache=tmp_path)
     key = "cat/" + first.rsplit(".", 1)[0].replace(".", "_")
     assert done.returncode == 1
-    assert done.stderr == (f"error: {src}/cat/{first} and {src}/cat/{second} both make the sample key {key!r} (the "
-                           "path up to the file's extension, the dots in its name made '_'): a shard cannot hold two "
-                           "samples of one key; rename or remove one of them\n")
+    assert done.stderr == (f"error: aioload make-shards: {src}/cat/{first} and {src}/cat/{second} both make the sample "
+                           f"key {key!r} (the path up to the file's extension, the dots in its name made '_'): a shard "
+                           "cannot hold two samples of one key; rename or remove one of them\n")
     assert not (tmp_path / "out").exists()
 
 def test_index_writes_sidecars_for_shards_of_other_tools(image_root, tmp_path):

@@ -201,14 +201,20 @@ def test_an_iterator_never_advanced_starts_nothing(case):
         reference = [_labels(loader), _labels(loader)]
     torch.manual_seed(3)
     with aioload.DataLoader(dataset_cls(20), batch_size=4, shuffle=True, num_workers=workers) as loader:
-        before, rng, state = _running(), torch.get_rng_state(), loader.state_dict()
+        before, rng = _running(), torch.get_rng_state()
         probe = iter(loader)
         assert _running() == before
         assert torch.equal(torch.get_rng_state(), rng)
-        assert loader.state_dict() == state
+        # a state taken now stands for the probed epoch's start, with the generator state that
+        # epoch draws from (as torchdata's does after iter()): it resumes that epoch's order
+        probed = loader.state_dict()
         del probe
         gc.collect()
         assert [_labels(loader), _labels(loader)] == reference
+    torch.manual_seed(99)  # another global RNG: the state carries what the epoch draws from
+    with aioload.DataLoader(dataset_cls(20), batch_size=4, shuffle=True, num_workers=workers) as loader:
+        loader.load_state_dict(probed)
+        assert _labels(loader) == reference[0]
 
 
 def test_an_async_iterator_never_advanced_starts_nothing():
