@@ -195,24 +195,20 @@ def test_workers_zero_resumes_in_the_loading_process(kind):
 def test_a_state_saved_between_epochs_resumes_the_next_epoch_whole(kind, workers):
     # Saved after the loop saw the epoch's end: the next epoch is a new one, as in the
     # uninterrupted run. A Stateful copy's state at that point says "at the end of the stream"
-    # (torchdata's protocol: load_state_dict sets where the next __iter__ starts), so it must not
-    # be handed to the next epoch's copies, which would then have nothing left to yield.
-    make = factory(kind, num_workers=workers)
-    full = uninterrupted(make, items, epochs=2)
-    with make() as loader:
-        first = [items(b) for b in loader]
-        state = roundtrip(loader.state_dict())
-    assert state["progress"] is None
-    with make() as loader:
-        loader.load_state_dict(state)
-        assert first + [items(b) for b in loader] == full
+    # (torchdata's protocol: load_state_dict sets where the next __iter__ starts); handed to the
+    # next epoch's copy, it leaves nothing to yield, and the copy starts its stream again.
+    resume_after_a_whole_epoch(factory(kind, num_workers=workers))
 
 
 def test_persistent_workers_resume_the_epoch_after_a_state_saved_between_epochs_whole():
     # Persistent workers carry their copies' states to the next epoch (an epoch counter); a
     # carried state that leaves a copy nothing to yield was the end of the last epoch's stream,
     # and the copy starts its stream again, as the uninterrupted run's copy did.
-    make = factory("stateful", persistent_workers=True)
+    resume_after_a_whole_epoch(factory("stateful", persistent_workers=True))
+
+
+def resume_after_a_whole_epoch(make) -> None:
+    """A state saved between epochs 0 and 1 resumes into what the uninterrupted run's epoch 1 gave."""
     full = uninterrupted(make, items, epochs=2)
     with make() as loader:
         first = [items(b) for b in loader]
