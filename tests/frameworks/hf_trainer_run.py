@@ -93,6 +93,12 @@ def run(out: str, max_steps: int, checkpoint: str | None = None, **kwargs) -> di
     torch.manual_seed(0)
     model = Model()
     loader = aioload.DataLoader(Indices(), batch_size=4, shuffle=True, num_workers=1)
+    return train(model, loader, out, max_steps, checkpoint, **kwargs)
+
+
+def train(model, loader, out: str, max_steps: int, checkpoint: str | None, **kwargs) -> dict:
+    """``model`` trained on ``loader`` (from ``checkpoint`` where given): what it saw, and how
+    many batches the loader delivered."""
     trainer = AioloadTrainer(model=model, args=arguments(out, max_steps=max_steps, **kwargs), train_loader=loader)
     with loader:
         if checkpoint is None:
@@ -114,13 +120,7 @@ def run_stream(out: str, paths: list[str], max_steps: int, checkpoint: str | Non
     torch.manual_seed(0)
     model = StreamModel()
     loader = aioload.DataLoader(stream(paths), batch_size=4, num_workers=2)
-    trainer = AioloadTrainer(model=model, args=arguments(out, max_steps=max_steps, **kwargs), train_loader=loader)
-    with loader:
-        if checkpoint is None:
-            trainer.train()
-        else:
-            resume(trainer, checkpoint)
-        return {"seen": model.seen, "delivered": loader.stats().batches}
+    return train(model, loader, out, max_steps, checkpoint, **kwargs)
 
 
 def main_stream(out: str, paths: list[str]) -> None:
