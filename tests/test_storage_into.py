@@ -8,7 +8,6 @@ behind (connections, descriptors, shared memory, /dev/shm)."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import re
 
@@ -17,7 +16,7 @@ import pytest
 import aioload
 from aioload._handoff.shared import SharedPool
 from aioload._storage.storage import read_into
-from tests.resources import fd_count, memfd_fds, memfd_maps, shm_entries
+from tests.resources import Snapshot, assert_released
 from tests.httpserver import Server
 from tests.test_http_client import BIG, LOOPS, ONCE, THRICE, Raw, chunked, open_connections, response, run
 
@@ -38,11 +37,6 @@ class Into:
 
     def data(self) -> bytes:
         return self.last.view().tobytes()
-
-
-def nothing_left(fds_before: int, shm_before: set[str]) -> bool:
-    gc.collect()
-    return memfd_fds() == 0 and memfd_maps() == 0 and fd_count() == fds_before and shm_entries() == shm_before
 
 
 @LOOPS
@@ -97,7 +91,7 @@ def test_a_missing_local_file_names_itself_and_takes_no_buffer(tmp_path):
 def test_a_body_cut_mid_way_fails_clearly_and_leaves_nothing(loop):
     whole = response(BIG)
     broken = whole[:-50_000]
-    fds, shm = fd_count(), shm_entries()
+    before = Snapshot.take()
 
     async def main():
         async with Raw(lambda n: (broken, "close")) as srv:
@@ -114,7 +108,7 @@ def test_a_body_cut_mid_way_fails_clearly_and_leaves_nothing(loop):
                     r"closed the connection after \d+ of 204800 bytes", str(err))
     assert sizes == [len(BIG), len(BIG)] and requests == 2 and left == 0
     del err
-    assert nothing_left(fds, shm)
+    assert_released(before)
 
 
 @LOOPS
@@ -154,7 +148,7 @@ def test_what_a_server_sends_beyond_its_content_length_stays_out_of_the_buffer(l
 
 
 def test_a_read_cancelled_mid_body_leaves_nothing():
-    fds, shm = fd_count(), shm_entries()
+    before = Snapshot.take()
 
     async def main():
         async with Raw(lambda n: (response(BIG)[:-50_000], "hang")) as srv:
@@ -172,13 +166,13 @@ def test_a_read_cancelled_mid_body_leaves_nothing():
 
     sizes, left = run(main)
     assert sizes == [len(BIG)] and left == 0
-    assert nothing_left(fds, shm)
+    assert_released(before)
 
 
 def test_the_test_servers_truncated_shard_fails_naming_its_url_and_retries_to_the_right_bytes(tmp_path):
     data = os.urandom(1 << 20)
     (tmp_path / "a.tar").write_bytes(data)
-    fds, shm = fd_count(), shm_entries()
+    before = Snapshot.take()
     with Server(tmp_path) as server:
         server.script("a.tar", "truncate", "truncate")
         once = aioload.Storage(retry=aioload.RetryPolicy(attempts=1, timeout=30))
@@ -189,7 +183,7 @@ def test_the_test_servers_truncated_shard_fails_naming_its_url_and_retries_to_th
         assert asyncio.run(read_into(again, server.url("a.tar"), into)) == len(data)
         assert into.data() == data and into.sizes == [len(data), len(data)]
         del into
-    assert nothing_left(fds, shm)
+    assert_released(before)
 
 
 @LOOPS
@@ -202,7 +196,7 @@ def test_the_window_receives_a_shard_into_shared_memory_without_a_buffer_of_its_
 
     data = os.urandom(8 << 20)
     (tmp_path / "a.tar").write_bytes(data)
-    fds, shm = fd_count(), shm_entries()
+    before = Snapshot.take()
     with Server(tmp_path) as server:
         url = server.url("a.tar") if where == "http" else str(tmp_path / "a.tar")
         window = Window([url], lambda idx: np.zeros(len(idx), dtype=np.int64), 1, aioload.Storage(), 1, 0)
@@ -221,4 +215,4 @@ def test_the_window_receives_a_shard_into_shared_memory_without_a_buffer_of_its_
     assert peak < len(data) // 8  # received in place: no bytearray (nor bytes) of the shard's size
     assert window.held_bytes == 0  # the loop's end let go of the shard
     del window
-    assert nothing_left(fds, shm)
+    assert_released(before)
