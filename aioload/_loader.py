@@ -67,6 +67,7 @@ class _PoolSettings(NamedTuple):
     worker_init_fn: Any
     multiprocessing_context: Any
     read_in_workers: bool = False
+    fetch_in_workers: bool = False  # window mode's shards fetched by the workers (aioload._workers.fetches)
 
 
 def _torch_attribute(name: str) -> property:
@@ -474,7 +475,7 @@ class DataLoader(Generic[_T_co]):
         already running keep the values they were started with (torch reuses its iterator)."""
         t = self._torch
         now = _PoolSettings(t.num_workers, t.collate_fn, t.worker_init_fn, t.multiprocessing_context,
-                            self._reads_in_workers(t.num_workers))
+                            self._reads_in_workers(t.num_workers), self._fetches_in_workers(t.num_workers))
         pool = self._res.pool
         if pool is not None and self._pool_settings is not None and now != self._pool_settings:
             if self.persistent_workers and now.num_workers > 0 and pool.alive():
@@ -490,6 +491,13 @@ class DataLoader(Generic[_T_co]):
         if self.read_in_workers is not None:
             return self.read_in_workers
         return bool(getattr(self.dataset, "read_in_workers", True))
+
+    def _fetches_in_workers(self, num_workers: int) -> bool:
+        """Whether the workers fetch the dataset's window-mode shards (the dataset's
+        ``fetch_in_workers``; :mod:`aioload._workers.fetches`)."""
+        if not self._split or self._iterable or self.executor is not None or num_workers == 0:
+            return False
+        return bool(getattr(self.dataset, "fetch_in_workers", False))
 
     def _budget(self) -> ErrorBudget:
         """A fresh epoch's error budget."""
@@ -593,7 +601,7 @@ class DataLoader(Generic[_T_co]):
                 batched_fetch=self._batched_fetch,
                 stateful=not self._iterable and _stateful.is_stateful(self.dataset),
                 read_in_workers=settings.read_in_workers, read_limit=read_limit, read_ceiling=read_ceiling,
-                read_timeout=self.read_timeout,
+                read_timeout=self.read_timeout, fetch_shards=settings.fetch_in_workers,
             )
             watch_exit()  # stopped before a multiprocessing child joins its children (NOTE [exit hooks])
             res.pool = WorkerPool(cfg, settings.num_workers, choose_context(settings.multiprocessing_context))

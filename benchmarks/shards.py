@@ -18,7 +18,9 @@ on uint8 tensors, in batches of ``--batch-size`` with ``--workers`` worker proce
 * ``aioload uniform``: ``aioload.WebDataset(shards)``, a uniform shuffle, one range request per
   sample (read in the workers);
 * ``aioload window=K``: ``aioload.WebDataset(shards, window=K)``, whole shards fetched once,
-  samples drawn from K shards at a time;
+  samples drawn from K shards at a time, each shard received by a worker;
+* ``aioload window=K loader-fetch`` (behind HTTP): the same with ``window_fetch="loader"``, each
+  shard received on the loader's event loop, in the training process;
 * ``webdataset``: ``wds.WebDataset(shards, shardshuffle=len(shards), workersplitter=split_by_worker)
   .shuffle(1000).map(decode)`` in ``torch.utils.data.DataLoader`` (its recommended recipe; over
   HTTP it reads each shard with ``curl``);
@@ -166,8 +168,12 @@ def rows_for(scenario: str, data: Data, base: str | None, args) -> dict:
     rows = {
         UNIFORM: lambda epoch: aioload_loader(uniform, args, epoch),
         f"aioload window={args.window}": lambda epoch: aioload_loader(window, args, epoch),
-        WEBDATASET: lambda epoch: webdataset_loader(pattern, args, epoch),
     }
+    if scenario != "local":  # the same, each shard received on the loader's loop (training process)
+        here = aioload.WebDataset(pattern, decode=decode_sample, window=args.window, window_fetch="loader",
+                                  storage=storage)
+        rows[f"aioload window={args.window} loader-fetch"] = lambda epoch: aioload_loader(here, args, epoch)
+    rows[WEBDATASET] = lambda epoch: webdataset_loader(pattern, args, epoch)
     if scenario == "local" and litdata is not None:
         chunks = data.litdata_chunks()
         rows[LITDATA] = lambda epoch: litdata.StreamingDataLoader(
@@ -204,7 +210,7 @@ def run(args) -> dict:
                 "disk_mb": extra_disk(name, data) / 1e6}
 
     out, ceilings = benchscenarios.run_scenarios(args, data.shards, lambda s, base: rows_for(s, data, base, args),
-                                                 data.paths(), extra, width=28)
+                                                 data.paths(), extra, width=32)
     return {"rows": out, "local_ceiling_img_s": median(ceilings), "ceilings": ceilings,
             "uniform_classes_per_batch": uniform_classes(data.labels, args.batch_size),
             "shards": data.shard_count}
@@ -214,7 +220,7 @@ def print_result(result: dict, args) -> None:
     print(f"\n## Shards: {args.images} images in {result['shards']} class-sorted shards of {args.shard_size}, "
           f"{args.classes} classes; RandomResizedCrop(224) + flip, batch {args.batch_size}, {args.workers} workers, "
           f"{args.rounds} rounds; HTTP paced to {args.mb_per_s:g} MB/s per response\n")
-    benchscenarios.print_table(result, args, COLUMNS, width=28)
+    benchscenarios.print_table(result, args, COLUMNS, width=32)
     print_goals(result)
 
 

@@ -20,12 +20,13 @@ def test_every_row_in_every_scenario(tmp_path):
             "--rounds", "1", "--workers", "1", "--window", "2", "--skip-batches", "1", "--io-concurrency", "8"]
     done, result = run_benchmark("shards.py", args, tmp_path)
     local = ["aioload uniform", "aioload window=2", "webdataset", "LitData", "torch ImageFolder (files)"]
-    remote = ["aioload uniform", "aioload window=2", "webdataset"]
+    remote = ["aioload uniform", "aioload window=2", "aioload window=2 loader-fetch", "webdataset"]
     rows = check_scenario_rows(result, local, remote)
     assert result["shards"] == 4
     # requests counted by the server: a range per sample, or a GET per shard (4 shards, 64 samples)
     assert rows["5 ms", "aioload uniform"]["requests_per_sample"] == pytest.approx(1.0)
     assert rows["5 ms", "aioload window=2"]["requests_per_sample"] == pytest.approx(4 / 64)
+    assert rows["5 ms", "aioload window=2 loader-fetch"]["requests_per_sample"] == pytest.approx(4 / 64)
     assert rows["5 ms", "webdataset"]["requests_per_sample"] == pytest.approx(4 / 64)
     assert rows["5 ms", "aioload window=2"]["window_peak_mb"] > 0
     # behind HTTP: the CPUs the server took over the measured interval, and the rate against the

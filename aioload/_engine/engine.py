@@ -42,6 +42,7 @@ from aioload._errors import TooManyErrorsError, WorkerCrashedError, forget_local
 from aioload._limiter import Limiter
 from aioload._observe.stats import StatsRecorder
 from aioload._workers.messages import StartEpoch
+from aioload._workers import fetches as _fetches
 from aioload._workers.pool import PoolSession, WorkerPool
 
 try:
@@ -202,6 +203,8 @@ class Engine:
         if self.pool is not None:
             self._session = session = PoolSession(self.pool, per_worker=spec.bound.prefetch,
                                                   cancel_reads=spec.reads is Reads.WORKERS)
+            if self.pool.fetching:  # window mode's shards: received by the workers, not here
+                _fetches.offer(session.fetch)
             self._lesson = lesson = LayoutLesson(self.shared, spec.num_workers)
             self._decode = DecodeStage(
                 spec, self.shared, stats, budget, reads, session, register=self.pool.register, permits=permits,

@@ -4,7 +4,8 @@ A read that fetches one large object for many samples (window mode's shards,
 :mod:`aioload._shards.window`) receives it straight into a :class:`SharedBytes` (a memfd, as
 the batch slots are: :mod:`aioload._handoff.shm`; recycled by a :class:`SharedPool`; see
 ``aioload._storage.storage.read_into``) and hands each sample over as a :class:`SharedRange` of
-it.
+it. A shard a worker received (:mod:`aioload._workers.fetches`) arrives as its memfd, which
+:func:`adopt` makes shared bytes of this process, as if it had been received here.
 Inside a task (:mod:`aioload._workers.pool`), a range pickles as its segment's id, offset and
 length: the pool sends the segment's file descriptor on the worker's control socket just
 before the task, once per task and segment (:func:`collecting` says which), and the worker
@@ -57,9 +58,9 @@ class Memory:
 
     __slots__ = ("fd", "size", "map")
 
-    def __init__(self, size: int, name: str):
+    def __init__(self, size: int, name: str, fd: int | None = None):
         self.size = max(size, 1)
-        self.fd = anonymous_fd(self.size, name)
+        self.fd = anonymous_fd(self.size, name) if fd is None else fd  # fd: one received, now this one's
         self.map: mmap.mmap | None = mmap.mmap(self.fd, self.size)
 
     def grow(self, size: int) -> None:
@@ -167,6 +168,22 @@ class SharedPool:
             free, self._free = self._free, []
         for memory in free:
             memory.close()
+
+
+def adopt(fd: int, size: int) -> SharedBytes:
+    """Shared bytes from the memfd ``fd`` of ``size`` bytes that another process filled and
+    sent here (a shard a worker fetched: :mod:`aioload._workers.fetches`): they are this
+    process's from now on, and their descriptor is closed when their last reference goes."""
+    try:
+        memory = Memory(size, "", fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return SharedBytes(memory, size, _close)
+
+
+def _close(memory: Memory, size: int) -> None:
+    memory.close()
 
 
 class SharedRange:

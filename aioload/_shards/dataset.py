@@ -154,6 +154,11 @@ class WebDataset(Dataset):
       the training process's memory; the workers read their samples there (the training process
       then neither copies nor sends sample bytes). About ``k + fetch_ahead`` shards, plus those
       freed within the last 1,024 samples, are on disk at a time.
+    * ``window_fetch`` -- with ``window`` (and no ``window_dir``): who receives a shard's bytes
+      when the loader has workers. ``"workers"`` (default): a worker receives it into shared
+      memory and hands it to the training process, which then spends no CPU on the receive
+      (:mod:`aioload._workers.fetches`); ``"loader"``: the loader's event loop receives it, in the
+      training process. Either way each shard is fetched once and the order is the same.
     * ``storage`` -- an :class:`aioload.Storage`: retries, timeouts, ``max_bytes`` (a whole
       shard in window mode must fit it), credentials (``storage_options``), a cache.
     * ``index_cache`` -- where shard indexes are kept between runs: ``True`` (default:
@@ -178,6 +183,7 @@ class WebDataset(Dataset):
     def __init__(self, urls: str | os.PathLike | Sequence[str | os.PathLike],
                  decode: Callable[[dict[str, Any]], Any] | None = None, *,
                  window: int | None = None, fetch_ahead: int = 2, window_dir: str | os.PathLike | None = None,
+                 window_fetch: str = "workers",
                  decoders: Mapping[str, Decoder] | None = None, storage: Storage | None = None,
                  index_cache: bool | str | os.PathLike = True, check_members: bool = True):
         _positive("window", window, allow_none=True)
@@ -187,6 +193,8 @@ class WebDataset(Dataset):
             raise TypeError(f"decode must be a function of the sample dict, or None, got {type(decode).__name__}")
         if window_dir is not None and window is None:
             raise ValueError("window_dir is where window mode keeps the shards it fetched: pass window=k with it")
+        if window_fetch not in ("workers", "loader"):
+            raise ValueError(f"window_fetch must be 'workers' or 'loader', got {window_fetch!r}")
         if storage is not None and not isinstance(storage, Storage):
             raise TypeError(f"storage must be an aioload.Storage, got {type(storage).__name__}")
         self.storage = storage if storage is not None else Storage()
@@ -200,6 +208,7 @@ class WebDataset(Dataset):
         self.window = window
         self.fetch_ahead = fetch_ahead
         self.window_dir = os.fspath(window_dir) if window_dir is not None else None
+        self.window_fetch = window_fetch
         found = shard_urls(urls)
         if index_cache is True:
             cache: IndexCache | None = IndexCache(default_cache_folder())
@@ -299,6 +308,12 @@ class WebDataset(Dataset):
         if self._window is not None and not self._local.all():
             return False  # the fetcher is shared by every worker: it lives on the loader's loop
         return bool(Dataset.read_in_workers.fget(self))  # type: ignore[attr-defined]
+
+    @property
+    def fetch_in_workers(self) -> bool:
+        """Whether a loader's workers receive the window's shards (``window_fetch``)."""
+        return (self._window is not None and self.window_dir is None and self.window_fetch == "workers"
+                and not self._local.all())
 
     # -- reads ----------------------------------------------------------------------------------
     def _fault(self, index: int) -> None:

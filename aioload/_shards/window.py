@@ -62,6 +62,7 @@ import numpy as np
 from aioload._handoff.shared import SharedBytes, SharedPool
 from aioload._storage import scope as _scope
 from aioload._storage.storage import Storage, read_buffer, read_into
+from aioload._workers import fetches as _fetches
 
 
 
@@ -323,7 +324,20 @@ class Window:
     async def _receive(self, url: str) -> SharedBytes:
         """The shard received straight into shared memory: the socket's bytes (or the file's)
         land in a memfd's mapping, with no buffer in between and no copy. A retry takes a
-        memfd of its own (the failed attempt's goes back to the pool)."""
+        memfd of its own (the failed attempt's goes back to the pool). Where the loader's
+        workers fetch (:mod:`aioload._workers.fetches`), one of them receives it and hands over
+        its memfd; else this loop does."""
+        fetch = _fetches.offered()
+        if fetch is not None:
+            kept = await fetch(url, self.storage)
+        else:
+            kept = await self._receive_here(url)
+        # counted once received, until its last reference goes (from whichever thread)
+        self._count(kept.size)
+        weakref.finalize(kept, self._count, -kept.size)
+        return kept
+
+    async def _receive_here(self, url: str) -> SharedBytes:
         if self._memory is None:
             # freed shards' memfds, up to k + ahead, wait for the next shards until the loop
             # ends: writing into pages that exist costs a fraction of making new ones, and the
@@ -343,11 +357,7 @@ class Window:
         except BaseException:
             taken.clear()  # not kept alive by the error's traceback (this frame's locals)
             raise
-        kept = taken[0]
-        # counted once received, until its last reference goes (from whichever thread)
-        self._count(kept.size)
-        weakref.finalize(kept, self._count, -kept.size)
-        return kept
+        return taken[0]
 
     async def _stage(self, shard: int, data: Held) -> Staged:
         """Write a fetched shard into this process's staging folder (made on first use)."""

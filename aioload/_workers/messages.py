@@ -10,6 +10,9 @@ resumed ``IterableDataset`` :class:`ResumeCopy`, then :class:`Task` and :class:`
 early, and :class:`Shutdown` when the loader stops its workers. Worker to pool:
 :class:`WorkerReady` or :class:`InitError` once, when it has started; then one :class:`Done`
 (or, for an ``IterableDataset``, :class:`Stopped`) per task, in the order the tasks came.
+Window mode's shards fetched by the workers (:mod:`aioload._workers.fetches`): a
+:class:`FetchShard` at any time, answered by one :class:`Fetched` whenever the fetch ends,
+the shard's memfd sent on the control socket just before it.
 """
 
 from __future__ import annotations
@@ -82,6 +85,17 @@ class CancelReads(NamedTuple):
     is answered at once (a worker that reads, see :mod:`aioload._workers.reads`)."""
 
 
+class FetchShard(NamedTuple):
+    """Fetch a whole shard into a memfd of this worker's making and send it back
+    (:mod:`aioload._workers.fetches`). ``storage_key`` names ``storage`` for the worker's life, so
+    that its connections serve every fetch of it."""
+
+    fetch_id: int
+    url: str
+    storage: Any
+    storage_key: tuple
+
+
 class Shutdown(NamedTuple):
     """Stop serving and exit: the loader is closing its workers."""
 
@@ -99,6 +113,15 @@ class InitError(NamedTuple):
     """``worker_init_fn`` raised; the worker exits and the epoch fails with this error."""
 
     packed: bytes  # aioload._errors.pack_exception of what it raised
+
+
+class Fetched(NamedTuple):
+    """A :class:`FetchShard` ended: ``size`` bytes received (its memfd is on the control socket,
+    sent just before this), or ``size == -1`` and the error, packed."""
+
+    fetch_id: int
+    size: int
+    packed: bytes | None = None
 
 
 class TaskError(NamedTuple):

@@ -23,9 +23,9 @@ import weakref
 
 from aioload._workers import wire as _wire
 from aioload._errors import WorkerCrashedError, crash_message, describe_exit, unpack_exception
-from aioload._workers.messages import CancelReads, Done, InitError, Shutdown, Stopped, Task, WorkerReady
+from aioload._workers.messages import CancelReads, Done, Fetched, FetchShard, InitError, Shutdown, Stopped, Task, WorkerReady
 from aioload._handoff import shared as _shared
-from aioload._handoff.shm import Segment, send_fd
+from aioload._handoff.shm import Segment, recv_fd, send_fd
 from aioload._workers.worker import PROGRESS_ID, SLOT_HEADER, WorkerConfig, worker_main
 
 PER_WORKER_TASKS = 2
@@ -64,6 +64,8 @@ class WorkerPool:
         self.broken: BaseException | None = None
         self.closed = False
         self.owner = os.getpid()  # a forked child holds a copy of this object: it must not stop our workers
+        self.fetching = cfg.fetch_shards  # window mode's shards are fetched by the workers
+        self.fetch_ids = itertools.count()  # over the pool's life: a late answer names no later fetch
         # Per worker: the task id and dataset index it is on (see _Worker.mark), in a memfd
         # that each worker receives first on its control socket (nothing in /dev/shm).
         self.progress_memory = Segment.create(16 * num_workers, "aioload-progress")
@@ -241,6 +243,9 @@ class PoolSession:
         self._reported = asyncio.Event()  # a worker said it is ready, or the pool broke
         self._broken_reading: asyncio.Future | None = None  # serve()'s: a reply callback failed
         self._crash_reports: set[asyncio.Task] = set()
+        self._fetches: dict[int, tuple[int, asyncio.Future]] = {}  # fetch id -> (worker, future)
+        self._fetched = asyncio.Event()  # no fetch in flight
+        self._fetched.set()
 
     def drop_slot(self, slot_id: int) -> None:
         for drops in self._drops:
@@ -285,6 +290,45 @@ class PoolSession:
             backlog.clear()
         finally:
             self._flushing[wid] = None
+
+    def fetch(self, url: str, storage) -> asyncio.Future:
+        """Have a worker fetch the whole object at ``url`` with ``storage`` (the one with the
+        fewest fetches in flight): the future gets its bytes as
+        :class:`~aioload._handoff.shared.SharedBytes` (:mod:`aioload._workers.fetches`).
+        Cancelling the future lets the bytes go when they arrive."""
+        if self.pool.broken is not None:
+            raise self.pool.broken
+        busy = collections.Counter(wid for wid, _ in self._fetches.values())
+        wid = min(range(self.pool.num_workers), key=lambda w: busy[w])
+        fetch_id = next(self.pool.fetch_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._fetches[fetch_id] = (wid, future)
+        self._fetched.clear()
+        self.send(wid, FetchShard(fetch_id, url, storage, (self.pool.owner, id(storage))))
+        return future
+
+    def _answered(self, wid: int, msg: Fetched) -> None:
+        """A fetch's end: its memfd (sent just before the message) taken from the control
+        socket, whether or not anyone still waits for it."""
+        shared = None
+        if msg.size >= 0:
+            header, fd = recv_fd(self.pool.ctrls[wid], SLOT_HEADER.size)
+            shared = _shared.adopt(fd, msg.size)
+            if SLOT_HEADER.unpack(header) != (msg.fetch_id, msg.size):  # pragma: no cover - a bug
+                raise RuntimeError(f"worker {wid} sent the memory of fetch {SLOT_HEADER.unpack(header)} "
+                                   f"with the answer to fetch {msg.fetch_id}")
+        wid_future = self._fetches.pop(msg.fetch_id, None)
+        if not self._fetches:
+            self._fetched.set()
+        if wid_future is None or wid_future[1].done():
+            return  # a late answer (the epoch gave up on it, or it was cancelled): its memfd goes
+        future = wid_future[1]
+        if shared is not None:
+            future.set_result(shared)
+        else:
+            exc = unpack_exception(msg.packed, None)
+            del exc.__notes__[-1]  # the worker's traceback of a failed request; each read adds its sample
+            future.set_exception(exc)
 
     async def submit(self, work, slot, indices, priority, worker=None) -> Done | Stopped:
         """Queue one task (``work``, a :mod:`~aioload._workers.messages` work value, into
@@ -423,6 +467,8 @@ class PoolSession:
         elif isinstance(msg, InitError):
             self._fail_all(unpack_exception(msg.packed, f"raised by worker_init_fn in worker {wid}"))
             return False
+        elif isinstance(msg, Fetched):
+            self._answered(wid, msg)
         else:  # Done or Stopped
             request = self._inflight[wid].pop(msg.task_id, None)
             if request is not None and not request.future.done():
@@ -472,6 +518,11 @@ class PoolSession:
         for request in requests:
             if not request.future.done():
                 request.future.set_exception(exc)
+        fetches, self._fetches = self._fetches, {}
+        self._fetched.set()
+        for _, future in fetches.values():
+            if not future.done():
+                future.set_exception(exc)
 
     def outstanding(self) -> int:
         return sum(len(inflight) for inflight in self._inflight)
@@ -511,14 +562,16 @@ class PoolSession:
         self._pending.clear()
         if self.pool.broken is not None:
             return True
-        if self.cancel_reads and self.outstanding():
+        fetching = {wid for wid, _ in self._fetches.values()}
+        if (self.cancel_reads and self.outstanding()) or fetching:
             data = _wire.encode(CancelReads())
             for wid, inflight in enumerate(self._inflight):
-                if inflight:
+                if (inflight and self.cancel_reads) or wid in fetching:
                     self._post(wid, data)
         try:
             async with asyncio.timeout(timeout):
                 await self._idle.wait()
+                await self._fetched.wait()  # every memfd sent is taken off its socket
         except TimeoutError:
             return False
         return True

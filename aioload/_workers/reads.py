@@ -39,7 +39,7 @@ from typing import Callable
 from aioload._limiter import Limiter
 from aioload._reads import NOT_READY, BatchReads, FailedRead, StallMeter, Watch, next_limit
 
-__all__ = ["CLOSE_GRACE", "FailedRead", "WorkerReads"]
+__all__ = ["CLOSE_GRACE", "FailedRead", "WorkerLoop", "WorkerReads"]
 
 try:
     import uvloop
@@ -77,7 +77,59 @@ class _Reading(Watch):
         return next((index for index in indices if index in reading), None)
 
 
-class WorkerReads:
+class WorkerLoop:
+    """An event loop in a thread of a worker's own (``thread_name``), beside the thread that
+    decodes: started with the worker, closed with it. ``_setup`` runs on the loop's thread
+    before the loop does."""
+
+    thread_name = "aioload-worker-loop"
+
+    def __init__(self):
+        self._loop = uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+        self._executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="aioload-worker-io")
+        self._loop.set_default_executor(self._executor)
+        started = threading.Event()
+        # A daemon thread: a read stuck for good (a hung network mount) must not keep the
+        # worker process alive once it is told to stop; close() joins it within CLOSE_GRACE.
+        self._thread = threading.Thread(target=self._run, args=(started,), name=self.thread_name, daemon=True)
+        self._thread.start()
+        started.wait()
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._setup()
+        self._loop.call_soon(started.set)
+        self._loop.run_forever()
+
+    def _setup(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """Cancel what still runs on the loop, close its sessions (``shutdown_asyncgens``
+        ends each loop-scoped HTTP session, see :mod:`aioload._storage.scope`) and stop the thread."""
+        if not self._thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._wind_down(), self._loop).result(CLOSE_GRACE + 4.0)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            pass  # a stuck read: the process is about to exit anyway
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(CLOSE_GRACE)
+        if not self._thread.is_alive():
+            self._loop.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _wind_down(self) -> None:
+        current = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_GRACE)
+        await self._loop.shutdown_asyncgens()
+
+
+class WorkerReads(WorkerLoop):
     """One worker's event loop for ``dataset.read``: started with the worker, closed with it.
     ``limit``: reads in flight at first; ``ceiling``: how far the limit may grow (``limit``
     itself: a fixed limit)."""
@@ -89,26 +141,15 @@ class WorkerReads:
         self.read_timeout = read_timeout
         self._watch = _Reading()
         self.meter = StallMeter()  # for the whole life of the worker
-        self._loop = uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
-        self._executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="aioload-worker-io")
-        self._loop.set_default_executor(self._executor)
         self._core: BatchReads | None = None  # made on the loop, by its thread
         self._bound: Limiter | None = None  # the core's bound on reads in flight, made with it
         self._generation = 0  # cancel() counts up: reads started before it are not begun
-        started = threading.Event()
-        # A daemon thread: a read stuck for good (a hung network mount) must not keep the
-        # worker process alive once it is told to stop; close() joins it within CLOSE_GRACE.
-        self._thread = threading.Thread(target=self._run, args=(started,), name="aioload-worker-loop", daemon=True)
-        self._thread.start()
-        started.wait()
+        super().__init__()
 
-    def _run(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
+    def _setup(self) -> None:
         self._bound = Limiter(self.limit)
         self._core = BatchReads(self.dataset, bound=self._bound, read_timeout=self.read_timeout,
                                 place=" in an aioload worker", watch=self._watch, meter=self.meter)
-        self._loop.call_soon(started.set)
-        self._loop.run_forever()
 
     def start(self, indices: list) -> concurrent.futures.Future:
         """Start reading ``indices``; the future's result is ``(raws, latencies, nbytes)``:
@@ -162,28 +203,3 @@ class WorkerReads:
             self._loop.call_soon_threadsafe(self._core.cancel)
         except RuntimeError:
             pass  # the loop is closed: nothing is in flight
-
-    def close(self) -> None:
-        """Cancel what still runs on the loop, close its sessions (``shutdown_asyncgens``
-        ends each loop-scoped HTTP session, see :mod:`aioload._storage.scope`) and stop the thread."""
-        if not self._thread.is_alive():
-            return
-        try:
-            asyncio.run_coroutine_threadsafe(self._wind_down(), self._loop).result(CLOSE_GRACE + 4.0)
-        except (concurrent.futures.TimeoutError, RuntimeError):
-            pass  # a stuck read: the process is about to exit anyway
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(CLOSE_GRACE)
-        if not self._thread.is_alive():
-            self._loop.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-    async def _wind_down(self) -> None:
-        current = asyncio.current_task()
-        tasks = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=CLOSE_GRACE)
-        await self._loop.shutdown_asyncgens()
-

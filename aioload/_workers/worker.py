@@ -25,12 +25,13 @@ from aioload._errors import pack_exception
 from aioload._handoff.chunks import ChunkWriter
 from aioload._handoff.layout import Layout
 from aioload._handoff.writers import RowWriter, SlotWriter, column_views
-from aioload._workers.messages import (BatchOut, CancelReads, ChunkOut, Done, DropSlots, InitError, IterWork,
-                                      ReadReport, ResumeCopy, RowsOut, RowsWork, Shutdown, StartEpoch, Stopped, Task,
-                                      TaskError, WholeWork, WorkerReady)
+from aioload._workers.messages import (BatchOut, CancelReads, ChunkOut, Done, DropSlots, Fetched, FetchShard,
+                                      InitError, IterWork, ReadReport, ResumeCopy, RowsOut, RowsWork, Shutdown,
+                                      StartEpoch, Stopped, Task, TaskError, WholeWork, WorkerReady)
 from aioload._seeding import sample_seed, seed_everything, seed_worker
 from aioload._handoff import shared as _shared
-from aioload._handoff.shm import Segment, recv_fd
+from aioload._handoff.shm import Segment, recv_fd, send_fd
+from aioload._workers.fetches import ShardFetches
 from aioload._workers.reads import FailedRead, WorkerReads
 from aioload._workers.state import CopyState, dataset_note, load_dataset_state
 
@@ -59,6 +60,7 @@ class WorkerConfig:
     read_limit: int = 1  # with read_in_workers: reads in flight per worker, at first
     read_ceiling: int = 1  # ... and how far that limit may grow (read_limit: it stays)
     read_timeout: float | None = None  # with read_in_workers: seconds one read may take
+    fetch_shards: bool = False  # window mode's shards are fetched here (aioload._workers.fetches)
 
 
 def _set_worker_info(worker_id: int, cfg: WorkerConfig, seed: int) -> None:
@@ -100,6 +102,8 @@ class _Worker:
         self.seeded: int | None = None
         self.served = False  # a task ran since the worker was last seeded  # the base seed the worker's RNGs were last seeded from
         self.reads: WorkerReads | None = None  # with cfg.read_in_workers, once worker_init_fn has run
+        self.fetches: ShardFetches | None = None  # with cfg.fetch_shards, once worker_init_fn has run
+        self.sending = threading.Lock()  # replies (this thread) and fetches' answers (theirs) share the socket
         self.inbox: queue.SimpleQueue | None = None  # with reads here: (message, reading) in arrival order
 
     # -- set-up -------------------------------------------------------------------------
@@ -379,7 +383,8 @@ class _Worker:
             # the task's items go before the reply does: the shared bytes they map are unmapped
             # by the time the loader learns that the task is done (aioload._handoff.shared)
             message = msg = reading = None
-            _wire.send_blocking(self.sock, reply)
+            with self.sending:
+                _wire.send_blocking(self.sock, reply)
 
     def run(self, task: Task, reading) -> Done | Stopped:
         """One task, its reads (started on arrival, ``reading``) awaited first."""
@@ -423,16 +428,37 @@ class _Worker:
         try:
             while (msg := self.reader.recv_blocking()) is not None:
                 if isinstance(msg, CancelReads):  # at once: the tasks it ends wait in the inbox
-                    self.reads.cancel()
+                    if self.reads is not None:
+                        self.reads.cancel()
+                    if self.fetches is not None:
+                        self.fetches.cancel()
+                    continue
+                if isinstance(msg, FetchShard):
+                    self.fetches.start(msg)
                     continue
                 reading = None
-                if isinstance(msg, Task) and not isinstance(msg.work, IterWork):
+                if isinstance(msg, Task) and not isinstance(msg.work, IterWork) and self.reads is not None:
                     reading = self.reads.start(list(msg.work.items))
                 self.inbox.put((msg, reading))
                 if isinstance(msg, Shutdown):
                     break
+                # not kept while the next message is awaited: a task's items may map shared
+                # bytes, which go when the thread that decodes is done with them
+                msg = reading = None
         finally:
             self.inbox.put(None)
+
+    def answer_fetch(self, fetch_id: int, size: int, memory, packed: bytes | None) -> None:
+        """A fetch's end, to the pool (from the fetches' thread): its memfd first, on the
+        control socket, then :class:`Fetched` on the task socket. A parent gone meanwhile is
+        found by the thread that decodes."""
+        with self.sending:
+            try:
+                if memory is not None:
+                    send_fd(self.ctrl, memory.fd, SLOT_HEADER.pack(fetch_id, size))
+                _wire.send_blocking(self.sock, Fetched(fetch_id, size, packed))
+            except OSError:
+                pass
 
     def with_reads(self, work: RowsWork | WholeWork, reading) -> tuple:
         """``work`` with its bare indices paired with what their reads returned, as if the
@@ -481,8 +507,11 @@ def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=()) -> 
         _wire.send_blocking(sock, InitError(pack_exception(exc)))
         return
     receiver = None
+    if cfg.fetch_shards:
+        worker.fetches = ShardFetches(worker.answer_fetch)
     if cfg.read_in_workers:
         worker.reads = WorkerReads(cfg.dataset, cfg.read_limit, cfg.read_timeout, ceiling=cfg.read_ceiling)
+    if cfg.read_in_workers or cfg.fetch_shards:
         worker.inbox = queue.SimpleQueue()
         # daemon: it blocks on the socket, and the parent's end closing ends it; a worker
         # told to stop does not wait for it
@@ -497,6 +526,8 @@ def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=()) -> 
     finally:
         if worker.reads is not None:
             worker.reads.close()
+        if worker.fetches is not None:
+            worker.fetches.close()
         worker.drop(list(worker.segments))
         for fd in worker.shared_fds.values():
             os.close(fd)
