@@ -3,6 +3,7 @@ alone, without decoding.
 
     python benchmarks/range_cpu.py                          # this checkout, 3 rounds
     python benchmarks/range_cpu.py --trees /tmp/base,.      # another checkout beside this one, interleaved
+    python benchmarks/range_cpu.py --no-shuffle             # samples in order: a task's reads lie together
 
 The data is ``benchmarks/shards.py``'s (``--images`` synthetic JPEGs in class-sorted shards of
 ``--shard-size``, made once in ``$AIOLOAD_CACHE``), served by ``aioload._tools.benchserver`` on
@@ -72,8 +73,8 @@ def measure_loader(pattern: str, args) -> dict:
 
     storage = aioload.Storage(connections_per_host=max(64, args.io_concurrency))
     ds = aioload.WebDataset(pattern, decode=constant, storage=storage)
-    loader = aioload.DataLoader(ds, batch_size=args.batch_size, shuffle=True, seed=1, num_workers=args.workers,
-                                io_concurrency=args.io_concurrency, persistent_workers=True)
+    loader = aioload.DataLoader(ds, batch_size=args.batch_size, shuffle=not args.no_shuffle, seed=1,
+                                num_workers=args.workers, io_concurrency=args.io_concurrency, persistent_workers=True)
     try:
         it = iter(loader)
         next(it)  # the workers have started and read a batch: measured from here
@@ -99,7 +100,8 @@ def measure_client(pattern: str, args) -> dict:
 
     storage = aioload.Storage(connections_per_host=max(64, args.io_concurrency))
     ds = aioload.WebDataset(pattern, decode=constant, storage=storage)
-    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(1)).tolist()
+    order = (list(range(len(ds))) if args.no_shuffle
+             else torch.randperm(len(ds), generator=torch.Generator().manual_seed(1)).tolist())
     batches = [order[i:i + args.batch_size] for i in range(0, len(order), args.batch_size)]
 
     async def main() -> dict:
@@ -140,6 +142,8 @@ def run_child(tree: str, what: str, pattern: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     cmd = [sys.executable, str(HERE), "--child", what, "--pattern", pattern, "--workers", str(args.workers),
            "--batch-size", str(args.batch_size), "--io-concurrency", str(args.io_concurrency)]
+    if args.no_shuffle:
+        cmd.append("--no-shuffle")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
     if done.returncode != 0:
         raise SystemExit(f"the {what} measurement of {tree} failed:\n{done.stdout}{done.stderr}")
@@ -178,8 +182,10 @@ def run(args) -> dict:
 
 
 def print_result(result: dict, args) -> None:
-    print(f"\n## Range requests: {args.images} images in shards of {args.shard_size}, behind {args.latency:g} ms, "
-          f"{args.workers} workers, {args.io_concurrency} in flight, {args.rounds} rounds (medians)\n")
+    order = "in order" if args.no_shuffle else "shuffled"
+    print(f"\n## Range requests: {args.images} images in shards of {args.shard_size}, {order}, behind "
+          f"{args.latency:g} ms, {args.workers} workers, {args.io_concurrency} in flight, "
+          f"{args.rounds} rounds (medians)\n")
     print(f"{'checkout':40} {'worker ms/sample':>17} {'main ms/sample':>15} {'samples/s':>10} {'req/sample':>11} "
           f"{'client ms/read':>15} {'reads/s':>8} {'req/read':>9} {'KB/read':>8}")
     for tree in result["trees"]:
@@ -206,6 +212,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--io-concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-shuffle", action="store_true", help="read the samples in order (default: shuffled)")
     parser.add_argument("--measure", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
                         default=["loader", "client"], help="loader, client or both (default)")
     parser.add_argument("--trees", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=None,

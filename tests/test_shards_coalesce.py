@@ -13,6 +13,7 @@ import pytest
 
 import aioload
 from aioload._reads import BatchReads, BufferPart, FailedRead
+from aioload._shards import coalesce
 from aioload._storage import scope as _scope
 from tests.httpserver import serving_copy
 from tests.resources import fd_count
@@ -136,3 +137,35 @@ def test_a_storage_with_a_cache_reads_each_sample_alone(server, folder):
 def test_a_bad_gap_is_refused(folder, gap):
     with pytest.raises(ValueError, match=r"^coalesce_gap must be an int >= 0 \(bytes\) or None, got "):
         aioload.WebDataset(str(folder) + "/aio-000000.tar", coalesce_gap=gap)
+
+
+def test_listing_pauses_where_reads_rarely_meet_and_looks_again_after():
+    data = bytes(range(256)) * 64
+    asked = []
+
+    async def fetch(offset, length):  # a store of its own: the bytes of ``data``
+        asked.append((offset, length))
+        return bytearray(data[offset:offset + length])
+
+    async def main():
+        ranges = coalesce.Ranges()
+
+        async def together(*spans):
+            return await asyncio.gather(*(coalesce.read(ranges, "u", s, e, 0, 1 << 20, fetch) for s, e in spans))
+
+        for _ in range(coalesce.PROBE // 2):  # pairs that meet: listing pays, and goes on
+            assert [bytes(p.view()) for p in await together((0, 10), (10, 30))] == [data[0:10], data[10:30]]
+        assert ranges.alone == 0
+        for i in range(coalesce.PROBE):  # reads that never meet: listing stops paying
+            await together((i, i + 1))
+        assert ranges.alone == coalesce.PROBE * coalesce.PAUSE
+        asked.clear()
+        assert [bytes(p) for p in await together((0, 10), (10, 30))] == [data[0:10], data[10:30]]
+        assert asked == [(0, 10), (10, 20)]  # paused: each alone
+        while ranges.alone:
+            await together((5, 6))
+        asked.clear()
+        parts = await together((0, 10), (10, 30))
+        assert asked == [(0, 30)] and [bytes(p.view()) for p in parts] == [data[0:10], data[10:30]]
+
+    asyncio.run(main())

@@ -17,7 +17,12 @@ makes its own request, as it did before.
 
 A joined request costs the bytes between its samples (counted as arrived and not returned,
 :mod:`aioload._storage.arrived`); it saves a request's round of CPU in the worker (the request
-and response heads, the socket's system calls, the futures that wait for them).
+and response heads, the socket's system calls, the futures that wait for them). Listing and
+yielding cost every read a turn of the loop, a few microseconds, which pays only where reads
+meet: in order (``shuffle=False``) nearly all of a task's do, in a uniform shuffle over many
+shards almost none (about ``reads in flight x 3 / samples`` of them). So each loop's
+:class:`Ranges` counts: when fewer than 1 in :data:`RARE` of :data:`PROBE` listed reads were
+joined, the next ``PROBE x`` :data:`PAUSE` reads go alone, unlisted, and then it looks again.
 """
 
 from __future__ import annotations
@@ -35,6 +40,15 @@ GAP = 64 * 1024
 MOST = 8 << 20
 """The most bytes one joined request asks for."""
 
+PROBE = 256
+"""Listed reads over which a loop counts how many were joined."""
+
+RARE = 50
+"""Fewer than one joined read in this many listed is too few to pay for the listing."""
+
+PAUSE = 15
+"""After too few joins, reads go alone for this many times :data:`PROBE` reads."""
+
 
 class _Wanted:
     """One read's range, listed for this turn of the loop; ``taken``: a future once another
@@ -48,12 +62,23 @@ class _Wanted:
 
 
 class Ranges:
-    """The ranges listed on one event loop, by shard URL."""
+    """The ranges listed on one event loop, by shard URL, and how often listing paid."""
 
-    __slots__ = ("listed",)
+    __slots__ = ("listed", "tried", "joined", "alone")
 
     def __init__(self) -> None:
         self.listed: dict[str, list[_Wanted]] = {}
+        self.tried = 0  # reads listed since the last count
+        self.joined = 0  # of those, reads that shared a request
+        self.alone = 0  # reads still to go alone, unlisted, before listing again
+
+    def counted(self, tried: int, joined: int) -> None:
+        self.tried += tried
+        self.joined += joined
+        if self.tried >= PROBE:
+            if self.joined * RARE < self.tried:
+                self.alone = PROBE * PAUSE
+            self.tried = self.joined = 0
 
     async def close(self) -> None:
         self.listed.clear()
@@ -63,6 +88,9 @@ async def read(ranges: Ranges, url: str, start: int, end: int, gap: int, most: i
                fetch: Callable[[int, int], Awaitable]) -> object:
     """The bytes ``[start, end)`` of ``url``: ``fetch(offset, length)``'s result for this
     range alone, or this range's :class:`BufferPart` of a request joined with others."""
+    if ranges.alone:
+        ranges.alone -= 1
+        return await fetch(start, end - start)
     mine = _Wanted(start, end)
     listed = ranges.listed.setdefault(url, [])
     listed.append(mine)
@@ -72,12 +100,14 @@ async def read(ranges: Ranges, url: str, start: int, end: int, gap: int, most: i
         _unlist(ranges, url, listed, mine)
         raise
     if mine.taken is not None:  # a read that ran first took this range into its request
+        ranges.counted(1, 1)
         part = await mine.taken
         return part if part is not None else await fetch(start, end - start)
     _unlist(ranges, url, listed, mine)
     group = _join(listed, mine, gap, most)
     if not listed and ranges.listed.get(url) is listed:
         del ranges.listed[url]
+    ranges.counted(1, 1 if group else 0)
     if not group:
         return await fetch(start, end - start)
     lo = min(w.start for w in group + [mine])

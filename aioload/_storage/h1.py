@@ -48,6 +48,9 @@ REUSED = 128
 requests a worker has in flight."""
 REUSED_MOST = 16 << 20
 """The most bytes of receive buffers one :class:`Pool` keeps for reuse."""
+REUSED_LOOK = 8
+"""Kept buffers looked at for a free one per body, at most: where every buffer is held (the
+worker's reads waiting to be decoded outnumber them) a new one costs less than a longer look."""
 IDLE_S = 15.0
 """How long an idle keep-alive connection is kept for reuse."""
 
@@ -151,8 +154,8 @@ class Buffers:
     request cost the worker more than the request's Python: the allocator gave its pages back
     and faulted them in again, zeroed (py-spy: 18 % of a 72 KB ranged GET's CPU in
     ``bytearray(n)``). At most :data:`REUSED` buffers and :data:`REUSED_MOST` bytes are kept;
-    each is looked at in turn, from the one after the last reused (they tend to be let go of
-    in the order they were taken)."""
+    :data:`REUSED_LOOK` of them are looked at in turn, from the one after the last reused (they
+    tend to be let go of in the order they were taken)."""
 
     __slots__ = ("_kept", "_bytes", "_next")
 
@@ -165,7 +168,7 @@ class Buffers:
         """A buffer of exactly ``n`` bytes (its old bytes left in it: the caller writes them all)."""
         kept = self._kept
         count = len(kept)
-        for step in range(count):
+        for step in range(min(count, REUSED_LOOK)):
             at = (self._next + step) % count
             buf = kept[at]
             if sys.getrefcount(buf) == _FREE and n // 2 <= len(buf) <= 2 * n:
@@ -176,6 +179,7 @@ class Buffers:
                 elif len(buf) < n:
                     buf.extend(bytes(n - len(buf)))
                 return buf
+        self._next = (self._next + REUSED_LOOK) % count if count else 0  # look further on next time
         buf = bytearray(n)
         if count < REUSED and self._bytes + n <= REUSED_MOST:
             kept.append(buf)
