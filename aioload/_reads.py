@@ -434,9 +434,32 @@ def _out_of_band(buffer) -> bool:
     return False  # keep the buffer out of the pickle: only whether it pickles is asked
 
 
+class BufferPart:
+    """What a read returns when one request served several reads: its bytes
+    ``buffer[lo:hi]``, left in the request's buffer (:meth:`view`, no copy) until they are
+    taken apart. Pickled (a read on the loader's loop, sent to a worker) it becomes ``bytes``."""
+
+    __slots__ = ("buffer", "lo", "hi")
+
+    def __init__(self, buffer, lo: int, hi: int):
+        self.buffer, self.lo, self.hi = buffer, lo, hi
+
+    def view(self) -> memoryview:
+        return memoryview(self.buffer)[self.lo:self.hi]
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __reduce__(self):
+        return bytes, (bytes(self.view()),)
+
+
+_BYTES = (bytes, bytearray, memoryview, BufferPart)
+
+
 def raw_nbytes(raw) -> int:
-    if isinstance(raw, (bytes, bytearray, memoryview)):
+    if isinstance(raw, _BYTES):
         return len(raw)
-    if isinstance(raw, tuple) and raw and isinstance(raw[0], (bytes, bytearray, memoryview)):
+    if isinstance(raw, tuple) and raw and isinstance(raw[0], _BYTES):
         return len(raw[0])
     return 0

@@ -23,8 +23,9 @@ def test_every_row_in_every_scenario(tmp_path):
     remote = ["aioload uniform", "aioload window=2", "aioload window=2 loader-fetch", "webdataset"]
     rows = check_scenario_rows(result, local, remote)
     assert result["shards"] == 4
-    # requests counted by the server: a range per sample, or a GET per shard (4 shards, 64 samples)
-    assert rows["5 ms", "aioload uniform"]["requests_per_sample"] == pytest.approx(1.0)
+    # requests counted by the server: a range per sample (fewer where a task's samples lie together in a
+    # shard and share one), or a GET per shard (4 shards, 64 samples)
+    assert 0.5 <= rows["5 ms", "aioload uniform"]["requests_per_sample"] <= 1.0
     assert rows["5 ms", "aioload window=2"]["requests_per_sample"] == pytest.approx(4 / 64)
     assert rows["5 ms", "aioload window=2 loader-fetch"]["requests_per_sample"] == pytest.approx(4 / 64)
     assert rows["5 ms", "webdataset"]["requests_per_sample"] == pytest.approx(4 / 64)

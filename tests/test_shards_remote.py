@@ -59,7 +59,9 @@ def epoch(ds, *, seed=0, shuffle=True, **loader_args):
 
 
 def test_uniform_mode_asks_one_range_per_sample(server, folder):
-    ds = aioload.WebDataset(pattern(server, "wds"), decode=fingerprint, storage=aioload.Storage(retry=RETRY))
+    # coalesce_gap=None: no request serves two samples (tests/test_shards_coalesce.py joins them)
+    ds = aioload.WebDataset(pattern(server, "wds"), decode=fingerprint, storage=aioload.Storage(retry=RETRY),
+                            coalesce_gap=None)
     before = len(server.ranges)
     rows, stats = epoch(ds)
     assert {k: (d, c) for k, d, c in rows} == webdataset_reads(str(folder / "wds-{000000..000004}.tar"))
@@ -92,12 +94,13 @@ def test_shards_behind_an_object_store_or_cdn_are_indexed_and_read(folder, tmp_p
 def test_a_server_that_ignores_range_is_named_once_and_what_arrived_is_counted(folder, tmp_path):
     # Python's http.server answers a range request with the whole file: each sample's read then
     # brings its shard from the start. The reads keep only the sample, the dataset warns once
-    # naming the server and window=k, and the statistics count the bytes that arrived.
+    # naming the server and window=k, and the statistics count the bytes that arrived (each
+    # sample's read alone, coalesce_gap=None: joined reads would bring each shard fewer times).
     with StoreServer(folder, tmp_path / "log", ranges=False) as store:
         origin = f"http://127.0.0.1:{store.port}"
         with pytest.warns(UserWarning) as caught:
             ds = aioload.WebDataset(store.url("wds-{000000..000004}.tar"), decode=fingerprint,
-                                    storage=aioload.Storage(retry=RETRY))
+                                    storage=aioload.Storage(retry=RETRY), coalesce_gap=None)
         rows, stats = epoch(ds)
         asked = store.requests
     assert [str(w.message) for w in caught] == [
@@ -242,8 +245,9 @@ def test_shards_without_sidecars_are_read_once_to_index_them(server):
 
 @pytest.mark.parametrize("window", [None, 2])
 def test_5xx_answers_are_retried(server, window):
+    # coalesce_gap=None: a request per sample, so that the shard's requests can be counted
     ds = aioload.WebDataset(pattern(server, "aio"), decode=fingerprint, window=window,
-                            storage=aioload.Storage(retry=RETRY))
+                            storage=aioload.Storage(retry=RETRY), coalesce_gap=None)
     server.script("aio-000002.tar", 503)  # once: the retry gets through
     rows, stats = epoch(ds)
     assert len(rows) == 48 and stats.skipped_total == 0

@@ -256,7 +256,7 @@ class LoaderStats:
         formula=lambda s: s.decode_s / s.decoded * 1e3 if s.decoded else 0.0))
     requests_per_sample: float = field(init=False, metadata=_stat(
         DERIVED, "storage requests per sample delivered: `shard_fetches / samples` in window mode, else "
-                 "`reads / samples`", "requests",
+                 "`reads / samples` (uniform mode's reads that shared one request count one each)", "requests",
         formula=lambda s: (s.shard_fetches if s.shard_mode == "window" else s.reads) / s.samples if s.samples else 0.0))
     bytes_per_sample: float = field(init=False, metadata=_stat(
         DERIVED, "bytes from storage per sample delivered: `shard_fetch_bytes / samples` in window mode, else "

@@ -235,13 +235,15 @@ async def _attempt(client: Client, url: str, timeout: float, method: str, redire
 
 async def _follow(client: Client, url: str, timeout: float, method: str, redirects: str, answer):
     first = current = url
-    home = origin(url)
+    home = None  # the URL's origin: its parsed target's (a URL parsed once per client, not per request)
     left = timeout
     for _ in range(MAX_REDIRECTS + 1):
         try:
             target = client.target(current)
         except ValueError as exc:
             raise Permanent(f"invalid URL {current!r}: {exc}", remedy="not retried: fix the URL") from exc
+        if home is None:
+            home = target.origin
         pool = client.pool(target)
         async with pool.slots:  # waiting for a connection: off the attempt's clock
             began = time.monotonic()
