@@ -119,3 +119,24 @@ def test_worker_streams_are_checked_at_load():
     assert "worker_streams" not in plain  # workers seeded afresh each epoch carry no streams
     with noisy(False) as loader, pytest.raises(ResumeError, match="worker_streams must be absent"):
         loader.load_state_dict(dict(plain, worker_streams=state["worker_streams"]))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_saving_between_epochs_leaves_the_global_rng_where_a_run_without_saves_leaves_it(persistent):
+    def run(save: bool):
+        torch.manual_seed(6)
+        with noisy(persistent) as loader:
+            epochs = [list(loader)]
+            if save:
+                loader.state_dict()
+                loader.state_dict()  # twice: the same pinned snapshot
+            it = iter(loader)
+            if save:
+                loader.state_dict()
+            epochs.append(list(it))
+            return epochs, torch.get_rng_state()
+
+    plain, plain_rng = run(False)
+    saving, saving_rng = run(True)
+    assert saving == plain
+    assert torch.equal(saving_rng, plain_rng)
