@@ -48,6 +48,7 @@ from aioload._engine.spec import BatchBound, Mode, Plan, Reads, Shared, Spec
 from aioload._observe.stats import LoaderStats, StatsRecorder, dataset_figures
 from aioload._observe.tune import check_knob, is_auto, make_tuner
 from aioload._reads import MAX_IO, START_IO
+from aioload._resume import NEW_WORKERS
 from aioload._workers.worker import WorkerConfig
 
 # torch's class, taken at import: a program may then put aioload's in its place
@@ -346,8 +347,25 @@ class DataLoader(Generic[_T_co]):
         if pending is not None and pending.unstarted:
             # iter() was called and its epoch not started (it starts at the first next()): the
             # state of that epoch's start, with the generators it will draw from
-            return self._planner.start_state(self._next_epoch)
-        return self._planner.state_dict(self._next_epoch, self._progress)
+            return self._planner.start_state(self._next_epoch, self._next_streams())
+        return self._planner.state_dict(self._next_epoch, self._progress, self._next_streams())
+
+    def _keeps_streams(self) -> bool:
+        """Whether the workers' random streams go on from epoch to epoch (persistent workers
+        without ``seed=``, as torch's): a state of an epoch's start then says what they are."""
+        return bool(self.persistent_workers) and self.seed is None and self.num_workers > 0 and self.executor is None
+
+    def _next_streams(self):
+        """The next epoch's workers' random streams, for a state of its start (see
+        aioload._resume): new workers where none are running, else those the running ones
+        reported at the end of the last epoch (``None``: not known, or not kept)."""
+        if not self._keeps_streams():
+            return None
+        pool = self._res.pool
+        if pool is None or not pool.alive():
+            return NEW_WORKERS
+        ends = self._planner.end_streams
+        return ends.records if ends is not None and ends.known else None
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`'s output: the next iteration continues its epoch
@@ -365,7 +383,7 @@ class DataLoader(Generic[_T_co]):
         taken over as they are), for :meth:`load_state_dict`. It resumes this loader's next
         epoch; torchdata saves no epoch number nor generator state. See docs/migration.md."""
         ranks = _distributed_rank()
-        return _stateful.from_torchdata(state, self._planner.start_state(self._next_epoch), self._iterable,
+        return _stateful.from_torchdata(state, self._planner.start_state(self._next_epoch, pin=False), self._iterable,
                                         self.num_workers, 1 if ranks is None else ranks[1])
 
     def set_weights(self, weights) -> None:
@@ -466,7 +484,7 @@ class DataLoader(Generic[_T_co]):
         # exactly as torch does, and no per-sample cost is paid.
         per_sample = not self._iterable and self.seed is not None
         lazy = self.num_workers == 0 and not self._split and self.executor is None  # InProcessIterator pulls
-        plan, self._progress = self._planner.plan(epoch, resume, per_sample, lazy=lazy)
+        plan, self._progress = self._planner.plan(epoch, resume, per_sample, lazy=lazy, streams=self._keeps_streams())
         return plan
 
     def _settings(self) -> _PoolSettings:
@@ -667,6 +685,10 @@ class DataLoader(Generic[_T_co]):
             stage.configure(settings.collate_fn, settings.worker_init_fn,
                             keep=self.persistent_workers and stage.batches > 0)
         plan = self._plan()
+        if plan.new_workers and self._res.pool is not None:
+            # the saved run's epoch started new workers; these ones have gone on drawing
+            self._res.discard_pool()
+            settings = self._settings()
         engine, ready, transfer = self._engine_for(plan, settings)
         ctx = self._context(plan, engine.budget, called, batches, resources=self._res,
                             engine=engine, ready=ready, transfer=transfer)

@@ -8,6 +8,7 @@ A state is plain data (dicts, lists or tuples, strings, ints, bools, ``None``), 
      "config": {...},                     # what must match in the loader that loads it
      "rng": {"loader": {"global": False, "state": "<base64>"}, ...},
      "kept_base": None | [0, 123],        # persistent workers without seed=: the first base seed
+     "worker_streams": "new" | [{...}],   # optional, persistent workers without seed=, at an epoch's start
      "progress": None | {                 # None: saved between epochs
          "base_seed": 123,                # the epoch's augmentation seed
          "delivered": {"below": 40, "also": [42]},   # batch sequence numbers received
@@ -19,8 +20,15 @@ A state is plain data (dicts, lists or tuples, strings, ints, bools, ``None``), 
      "stateful": {...},                   # optional: an IterableDataset's copies (aioload._stateful)
      "sampler": <sampler.state_dict()>}   # optional: a Stateful sampler's, at the epoch's start
 
-``rng`` holds generator states at the start of the epoch in progress (between epochs: as they
-are now, torch's global RNG excepted), so that replaying the sampler gives the same order.
+``rng`` holds generator states at the start of the epoch in progress (between epochs: as the
+next epoch will draw from them, torch's global RNG included where the loader draws from it), so
+that replaying the sampler gives the same order.
+
+``worker_streams`` (persistent workers without ``seed=``, in a state of an epoch's start or
+saved between epochs) says what the workers' random streams are when that epoch starts:
+``"new"``, new workers (seeded from the epoch's base seed, as the saved run's were), or one
+record per worker (:func:`aioload._seeding.capture_streams`: its seed and its torch, ``random``
+and numpy streams), the streams the saved run's persistent workers had gone on to.
 Nothing in a state names the rank that saved it unless it lists that rank's own indices
 (``batches``): under ``torch.distributed`` ranks move in lockstep through shards of equal
 length, so one rank's state resumes every rank. ``config["world_size"]`` is the number of
@@ -207,12 +215,18 @@ def progress(base_seed: int, delivered, batches: tuple | None, rank: int | None 
     }
 
 
+NEW_WORKERS = "new"
+"""``worker_streams`` of an epoch that starts new workers."""
+
+
 def pack(epoch: int, cfg: dict, rng: dict, prog: dict | None, kept_base: tuple | None = None,
-         mix: dict | None = None) -> dict:
+         mix: dict | None = None, worker_streams: str | tuple | None = None) -> dict:
     state = {"aioload_state": VERSION, "epoch": epoch, "config": cfg, "rng": rng, "progress": prog,
              "kept_base": None if kept_base is None else list(kept_base)}
     if mix is not None:
         state["mix"] = mix
+    if worker_streams is not None:
+        state["worker_streams"] = worker_streams if isinstance(worker_streams, str) else list(worker_streams)
     return state
 
 
@@ -362,7 +376,7 @@ def unpack(state, exp: Expected) -> dict:
         )
     _check_plain({key: value for key, value in state.items() if key not in ("stateful", "sampler")})
     _keys(state, "the state", ("aioload_state", "epoch", "config", "rng", "progress"),
-          ("kept_base", "mix", "stateful", "sampler"))
+          ("kept_base", "mix", "stateful", "sampler", "worker_streams"))
     cfg = _check_config(state["config"], exp)
     epoch = _int(state["epoch"], "epoch", 0, _EPOCH_MAX)
     prog = state["progress"]
@@ -374,8 +388,10 @@ def unpack(state, exp: Expected) -> dict:
 
     sampler = state.get("sampler")
     check_depth(sampler, "sampler")
-    return {"epoch": epoch, "rng": rng, "progress": None if prog is None else _check_progress(prog, exp, world),
-            "kept_base": kept, "world_size": world, "mix": mix,
+    prog = None if prog is None else _check_progress(prog, exp, world)
+    streams = _check_streams(state.get("worker_streams"), exp.config["base_seeds"], prog)
+    return {"epoch": epoch, "rng": rng, "progress": prog,
+            "kept_base": kept, "world_size": world, "mix": mix, "worker_streams": streams,
             "stateful": check_stateful(state.get("stateful"), exp.iterable), "sampler": sampler}
 
 
@@ -445,10 +461,12 @@ def _check_config(cfg, exp: Expected) -> dict:
 
 def _check_rng(rng, roles: dict, mid_epoch: bool) -> dict:
     """Mid-epoch, every generator's state at the epoch's start; between epochs, those of the
-    loader's own generators (torch's global RNG is the training script's to save)."""
+    loader's own generators and, where the next epoch draws from it, torch's global RNG (a
+    state written before it was saved there has none: the next epoch then draws from the
+    global RNG as it is)."""
     wanted = [role for role, is_global in roles.items() if mid_epoch or not is_global]
-    _keys(rng, "rng", wanted)
-    for role in wanted:
+    _keys(rng, "rng", wanted, [role for role in roles if role not in wanted])
+    for role in rng:
         entry = _keys(rng[role], f"rng.{role}", ("global", "state"))
         if entry["global"] is not roles[role]:
             which = "torch's global RNG" if roles[role] else "a generator of its own"
@@ -481,6 +499,33 @@ def _check_kept(kept, base_seeds: str) -> tuple | None:
     if len(pair) != 2:
         raise _fail("kept_base", f"must be [epoch, base seed], got {len(pair)} items")
     return (_int(pair[0], "kept_base[0]", 0, _EPOCH_MAX), _int(pair[1], "kept_base[1]", 0, _SEED_MAX))
+
+
+def _check_streams(streams, base_seeds: str, prog) -> str | tuple | None:
+    """``worker_streams``: ``"new"`` or one record per worker, in a state of an epoch's start."""
+    if streams is None:
+        return None
+    if base_seeds != _PERSISTENT:
+        raise _fail("worker_streams", f"must be absent: this loader's base seeds are {base_seeds}, and only "
+                                      "persistent workers without seed= carry their streams")
+    if prog is not None and (prog["delivered"]["below"] or prog["delivered"]["also"]):
+        raise _fail("worker_streams", "must be absent in a state saved after its epoch delivered a batch")
+    if streams == NEW_WORKERS:
+        return streams
+    records = _seq(streams, "worker_streams")
+    if not records:
+        raise _fail("worker_streams", f"must be {NEW_WORKERS!r} or one record per worker, got an empty list")
+    from aioload._seeding import check_streams
+
+    for i, record in enumerate(records):
+        path = f"worker_streams[{i}]"
+        _keys(record, path, ("seed", "torch", "random", "numpy"))
+        _int(record["seed"], f"{path}.seed", 0, 2**64 - 1)
+        try:
+            check_streams(record)
+        except (binascii.Error, ValueError, RuntimeError, TypeError) as exc:
+            raise _fail(path, f"is not a worker's random streams ({exc})") from None
+    return tuple(records)
 
 
 def _check_progress(prog, exp: Expected, world: int | None) -> dict:

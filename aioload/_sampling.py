@@ -25,7 +25,7 @@ from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSam
 
 from aioload import _resume, _stateful
 from aioload._engine.ready import Delivered
-from aioload._engine.spec import Plan
+from aioload._engine.spec import EndStreams, Plan
 from aioload._plan.deal import Deal
 from aioload._plan.elastic import Segment, remainder, rest_of_epoch
 from aioload._mix.tally import SourceTally
@@ -331,16 +331,22 @@ class Planner:
         self._kept_base: tuple[int, int] | None = None  # (epoch, base seed) drawn for persistent workers
         self.last_copies: _stateful.Copies | None = None  # an IterableDataset's, from its last epoch
         self.sampler_start: Any = None  # a Stateful sampler's state at the start of the epoch in progress
+        # torch's global RNG as a state of the next epoch's start saved it (between epochs, or
+        # after iter()): that epoch draws from it, as the state says it does (see _start_rng)
+        self._pinned: dict | None = None  # its {"global": True, "state": base64} entry
+        self.end_streams: EndStreams | None = None  # persistent workers' streams after the last epoch
         mix = self._mix()
         self.tally = SourceTally(mix.dataset.names, mix.dataset.offsets) if mix is not None else None
 
     # -- the plan -------------------------------------------------------------------------
     def plan(self, epoch: int, resume: dict | None, per_sample_seeds: bool,
-             lazy: bool = False) -> tuple[Plan, EpochProgress]:
+             lazy: bool = False, streams: bool = False) -> tuple[Plan, EpochProgress]:
         """Epoch ``epoch``'s plan. ``resume`` (from :meth:`load`) replays a saved epoch: the
         generators get back their state at its start and delivered batches are skipped.
         ``lazy``: the caller's thread pulls every batch itself (torch's single-process loading,
-        whose sampler first draws at the first ``next()``), so none is pulled here."""
+        whose sampler first draws at the first ``next()``), so none is pulled here.
+        ``streams``: persistent workers (without ``seed=``) report their random streams at the
+        epoch's end, for a state saved before the next one."""
         t = self.torch
         # The world may have changed since the state was loaded (init_process_group ran in
         # between): each rank's shard, and so the saved position, depends on its size.
@@ -350,7 +356,11 @@ class Planner:
         if self.seed is not None:
             self.seed_generator.manual_seed(derive_seed(self.seed, epoch))
         generators = self.generators()
-        saved = resume["rng"] if resume is not None else {}
+        pinned, self._pinned = self._pinned, None
+        if resume is not None:
+            saved = resume["rng"]
+        else:  # a state of this epoch's start was saved: it draws from the global RNG that state holds
+            saved = {role: pinned for role, g in generators.items() if g is None and pinned is not None}
         early = (resume is not None and resume.get("stateful") is not None and t.num_workers == 0
                  and resume["stateful"]["num_workers"] == 0
                  and (not self.iterable or (lazy and resume.get("progress") is not None and not _taken(resume))))
@@ -367,6 +377,7 @@ class Planner:
             if resume is not None and resume.get("sampler") is not None:
                 sampler.load_state_dict(copy.deepcopy(resume["sampler"]))
             self.sampler_start = copy.deepcopy(sampler.state_dict())
+        global_before = torch.get_rng_state() if any(entry["global"] for entry in saved.values()) else None
         with _resume.restored(saved, generators):
             start = _resume.snapshot(generators)
             if self.iterable:
@@ -389,6 +400,17 @@ class Planner:
                 first = [] if lazy and not saved else list(itertools.islice(sampler_iter, 1))
                 pairs = enumerate(itertools.chain(first, sampler_iter))
             drawn = torch.get_rng_state() if any(entry["global"] for entry in saved.values()) else None
+        at_start = progress is None or (not progress["delivered"]["below"] and not progress["delivered"]["also"]
+                                        and not progress["segments"] and not _taken(resume))
+        if drawn is not None and at_start:
+            # A state of this epoch's start (saved between epochs or after iter()): the saved
+            # run's epoch drew from that global RNG and went on from after its draws, and so does
+            # this one, in process (the samples draw from it too) or where nothing else drew
+            # from it since (a training script that restored its own RNG with the state);
+            # otherwise the global RNG stays as the script left it
+            global_saved = next(entry for entry in saved.values() if entry["global"])
+            if lazy or torch.equal(global_before, _resume.rng_tensor(global_saved["state"])):
+                torch.set_rng_state(drawn)
         if progress is not None:
             if progress["base_seed"] != base and progress["batches"] is None and progress["inexact"] is None:
                 raise _resume.ResumeError(
@@ -406,13 +428,14 @@ class Planner:
                       and not (progress is not None and progress["batches"] is not None))
         numbered = _Numbered(pairs, skip, delivered, record=not replayable and not self.iterable,
                              limit=_len_or_none(t._index_sampler), tally=self.tally.pulled if self.tally else None)
-        if lazy and progress is not None and not len(skip) and not _taken(resume) and drawn is not None:
-            # A state saved after iter() and before the epoch's first batch, loaded in process:
-            # the epoch goes on drawing from torch's global RNG as the saved run's epoch did (the
-            # dataset's own random draws too), from where the plan's draws left it
-            torch.set_rng_state(drawn)
         plan = Plan(batches=numbered, base_seed=base, per_sample_seeds=per_sample_seeds, delivered=delivered,
                     epoch=epoch)
+        if streams:
+            plan.streams = self.end_streams = EndStreams()
+            given = resume.get("worker_streams") if resume is not None else None
+            plan.new_workers = given == _resume.NEW_WORKERS
+            if given is not None and not plan.new_workers and len(given) == t.num_workers:
+                plan.set_streams = given
         copies = None
         if self.iterable or _stateful.is_stateful(t.dataset):
             entry = resume.get("stateful") if resume is not None else None
@@ -671,13 +694,15 @@ class Planner:
             base_seeds = "drawn every epoch"
         return _resume.config(t, self.seed, self.generators(), base_seeds, self.world_size())
 
-    def state_dict(self, next_epoch: int, progress: EpochProgress | None) -> dict:
+    def state_dict(self, next_epoch: int, progress: EpochProgress | None, workers=None) -> dict:
+        """The state now. ``workers``: between epochs, the next epoch's workers' random streams
+        (``worker_streams``, see :mod:`aioload._resume`), or ``None``."""
         if progress is None or progress.delivered.complete:
-            # Between epochs: the next one starts from the generators as they are now
-            # (torch's global RNG excepted: that one is the training script's to save).
-            gens = {role: g for role, g in self.generators().items() if g is not None}
-            state = _resume.pack(next_epoch, self.config(), _resume.snapshot(gens), None, self._kept_base,
-                                 mix=self._mix_state(False))
+            # Between epochs: the next one starts from the generators as they are now, torch's
+            # global RNG included where the loader draws from it (pinned: the next epoch draws
+            # from it as saved here, whatever else draws from it in between)
+            state = _resume.pack(next_epoch, self.config(), self._start_rng(), None, self._kept_base,
+                                 mix=self._mix_state(False), worker_streams=workers)
             copies = self.last_copies
             if copies is not None and copies.stateful():  # the copies' own states (an epoch counter)
                 state["stateful"] = copies.entry()
@@ -725,18 +750,31 @@ class Planner:
             return _resume.progress(progress.base_seed, Delivered(), None, inexact=str(exc))
         return _resume.progress(progress.base_seed, progress.delivered, batches, rank=_rank())
 
-    def start_state(self, epoch: int) -> dict:
+    def _start_rng(self, pin: bool = True) -> dict:
+        """Every generator's state now, for a state of the next epoch's start; torch's global
+        RNG as pinned (``pin``: pinned now, where it is not yet)."""
+        gens = self.generators()
+        rng = _resume.snapshot({role: g for role, g in gens.items() if g is not None})
+        shared = [role for role, g in gens.items() if g is None]
+        if shared:
+            pinned = self._pinned if self._pinned is not None else _resume.snapshot({"global": None})["global"]
+            if pin:
+                self._pinned = pinned
+            rng.update({role: pinned for role in shared})
+        return {role: rng[role] for role in gens}
+
+    def start_state(self, epoch: int, workers=None, pin: bool = True) -> dict:
         """The state of epoch ``epoch`` made ready by ``iter()`` but not started (its first
         ``next()`` draws the base seed and the sampler's order): every generator's state now,
         torch's global RNG included, as torch's iterator holds the seed it drew at ``iter()``, so
         that a resumed run draws that epoch's order again; and, for an IterableDataset that is
-        Stateful and loaded in process, its state now."""
-        gens = self.generators()
-        rng = _resume.snapshot(gens)
+        Stateful and loaded in process, its state now. ``workers``: as :meth:`state_dict`'s;
+        ``pin``: the epoch draws from torch's global RNG as saved here."""
+        rng = self._start_rng(pin)
         base = self._peek_base(epoch, rng)
         state = _resume.pack(epoch, self.config(), rng,
                              _resume.progress(base, Delivered(), None, order_seed=self._order_seed_now()),
-                             self._kept_base, mix=None)
+                             self._kept_base, mix=None, worker_streams=workers)
         mix = self._mix()
         if mix is not None:
             state["mix"] = _resume.mix_entry(mix.dataset.names, mix.weights, ((0, mix.weights),))
@@ -791,6 +829,7 @@ class Planner:
         if self._mix() is not None:
             self._mix().weights = resume["mix"]["weights"]
         resume["saved"] = copy.deepcopy(state)
+        self._pinned = None  # the loaded state's generator states replace a pinned global RNG
         if prog is not None and prog["inexact"] is not None:
             warnings.warn(
                 f"this state resumes epoch {resume['epoch']} from its start, not from where it was saved: "

@@ -183,3 +183,34 @@ class EpochSampler(torch.utils.data.Sampler):
 
     def load_state_dict(self, state: dict) -> None:
         self.epochs = state["epochs"]
+
+
+class Noisy(torch.utils.data.Dataset):
+    """No state of its own: each sample draws from the worker's torch, ``random`` and numpy
+    streams, and says which worker seed it was drawn under."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+
+        info = torch.utils.data.get_worker_info()
+        return (i, int(torch.randint(1 << 30, ())), random.randrange(1 << 30), int(np.random.randint(1 << 30)),
+                None if info is None else info.seed)
+
+
+class NoisyStream(torch.utils.data.IterableDataset):
+    """Worker ``w`` yields ``sizes[w]`` items, each with a draw from the worker's torch stream."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+
+    def __iter__(self):
+        for i in worker_slice(self.sizes):
+            yield (i, int(torch.randint(1 << 30, ())))

@@ -41,7 +41,7 @@ from aioload._engine.stuck import InFlight, StuckReport, describe_stuck
 from aioload._errors import TooManyErrorsError, WorkerCrashedError, forget_locals
 from aioload._limiter import Limiter
 from aioload._observe.stats import StatsRecorder
-from aioload._workers.messages import StartEpoch
+from aioload._workers.messages import SetStreams, StartEpoch
 from aioload._workers import fetches as _fetches
 from aioload._workers.pool import PoolSession, WorkerPool
 
@@ -52,6 +52,10 @@ except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and ma
 
 DRAIN_TIMEOUT = 5.0
 """How long an abandoned epoch waits for workers to finish what they were sent."""
+
+STREAMS_TIMEOUT = 2.0
+"""How long an ended epoch of persistent workers waits for their random streams (asked once
+every task is answered, so an idle worker answers at once)."""
 
 IO_GRACE = 1.0
 """How long an ending epoch waits for blocking reads still running in its threads."""
@@ -192,6 +196,8 @@ class Engine:
         else:
             self.ready.finish(total)
         finally:
+            if self.plan.streams is not None:
+                self.plan.streams.put(None)  # not asked (the epoch failed or was cut short): not known
             await self._copies_done()
 
     def _build(self) -> None:
@@ -255,6 +261,9 @@ class Engine:
             serve = outer.create_task(session.serve())
             try:
                 await session.broadcast(StartEpoch(self.plan.base_seed, self.plan.per_sample_seeds, self.plan.epoch))
+                if self.plan.set_streams is not None and len(self.plan.set_streams) == self.pool.num_workers:
+                    for wid, record in enumerate(self.plan.set_streams):
+                        session.send(wid, SetStreams(record))  # the saved run's workers' streams
                 for wid, resume in enumerate(self.plan.copies or ()):
                     if resume is not None and wid < self.pool.num_workers:
                         session.send(wid, resume)  # before any task: its saved state (aioload._stateful)
@@ -272,6 +281,10 @@ class Engine:
                 try:
                     if not await session.drain(self.drain_timeout):
                         self.clean = False
+                    elif self.plan.streams is not None and self.pool.broken is None:
+                        # persistent workers take their streams into the next epoch: a state
+                        # saved before it holds them (see aioload._resume)
+                        self.plan.streams.put(await session.report_streams(STREAMS_TIMEOUT))
                 finally:
                     serve.cancel()
                     if not await session.aclose():

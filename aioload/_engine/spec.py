@@ -140,6 +140,28 @@ class Plan:
     copies: tuple | None = None
     first_worker: int = 0
     epoch: int = 0  # the loader's epoch (an IterableDataset's copies get set_epoch(epoch))
+    # Persistent workers without seed=: the workers' random streams at the epoch's end, asked of
+    # them once every task is answered (None: not asked), and those a resumed epoch gives back
+    # to each worker first (None: the workers' streams go on as they are)
+    streams: EndStreams | None = None
+    set_streams: tuple | None = None
+    new_workers: bool = False  # the saved run's epoch started new workers: so does this one
+
+
+class EndStreams:
+    """The workers' random streams at the end of an epoch of persistent workers: set by the
+    engine once every task of the epoch is answered (``None`` in it: not known, the epoch
+    stopped without its workers answering), read by the loader's ``state_dict()`` after it."""
+
+    __slots__ = ("records", "known")
+
+    def __init__(self):
+        self.records: tuple | None = None
+        self.known = False  # set once: by the engine (the records, or None)
+
+    def put(self, records: tuple | None) -> None:
+        if not self.known:
+            self.records, self.known = records, True
 
 
 class Failure:

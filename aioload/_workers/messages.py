@@ -6,13 +6,16 @@ sides. They travel as length-prefixed pickles (:mod:`aioload._workers.wire`) ove
 socket; slot memory travels on its control socket, as file descriptors.
 
 Pool to worker, in the order a worker sees them in an epoch: :class:`StartEpoch`, for a
-resumed ``IterableDataset`` :class:`ResumeCopy`, then :class:`Task` and :class:`DropSlots` in any order, :class:`CancelReads` when an epoch ends
-early, and :class:`Shutdown` when the loader stops its workers. Worker to pool:
+resumed epoch of persistent workers :class:`SetStreams`, for a resumed dataset's copy
+:class:`ResumeCopy`, then :class:`Task` and :class:`DropSlots` in any order, :class:`CancelReads`
+when an epoch ends early, :class:`ReportStreams` once every task is answered (persistent workers
+without ``seed=``), and :class:`Shutdown` when the loader stops its workers. Worker to pool:
 :class:`WorkerReady` or :class:`InitError` once, when it has started; then one :class:`Done`
-(or, for an ``IterableDataset``, :class:`Stopped`) per task, in the order the tasks came.
-Window mode's shards fetched by the workers (:mod:`aioload._workers.fetches`): a
-:class:`FetchShard` at any time, answered by one :class:`Fetched` whenever the fetch ends,
-the shard's memfd sent on the control socket just before it.
+(or, for an ``IterableDataset``, :class:`Stopped`) per task, in the order the tasks came, and
+:class:`Streams` for a :class:`ReportStreams`. Window mode's shards fetched by the workers
+(:mod:`aioload._workers.fetches`): a :class:`FetchShard` at any time, answered by one
+:class:`Fetched` whenever the fetch ends, the shard's memfd sent on the control socket just
+before it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,18 @@ class ResumeCopy(NamedTuple):
     record: dict | None  # the copy's saved record (None: nothing of it is Stateful)
     skip: int  # a copy that is not Stateful: items to drop (those delivered before the save)
     fresh: bool  # the saved epoch had ended: only the dataset's state applies, to a new epoch
+
+
+class SetStreams(NamedTuple):
+    """A resumed epoch of persistent workers: the worker takes back the random streams (its
+    seed, torch's, ``random``'s and numpy's) that the saved run's worker had then."""
+
+    record: dict  # aioload._seeding.capture_streams's
+
+
+class ReportStreams(NamedTuple):
+    """The epoch is over (every task answered): reply with the worker's random streams, which
+    a persistent worker takes into the next epoch (a state saved between epochs holds them)."""
 
 
 class RowsWork(NamedTuple):
@@ -122,6 +137,12 @@ class Fetched(NamedTuple):
     fetch_id: int
     size: int
     packed: bytes | None = None
+
+
+class Streams(NamedTuple):
+    """The reply to :class:`ReportStreams`: the worker's random streams now."""
+
+    record: dict  # aioload._seeding.capture_streams's
 
 
 class TaskError(NamedTuple):

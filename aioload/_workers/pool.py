@@ -23,7 +23,8 @@ import weakref
 
 from aioload._workers import wire as _wire
 from aioload._errors import WorkerCrashedError, crash_message, describe_exit, unpack_exception
-from aioload._workers.messages import CancelReads, Done, Fetched, FetchShard, InitError, Shutdown, Stopped, Task, WorkerReady
+from aioload._workers.messages import (CancelReads, Done, Fetched, FetchShard, InitError, ReportStreams, Shutdown,
+                                      Stopped, Streams, Task, WorkerReady)
 from aioload._handoff import shared as _shared
 from aioload._handoff.shm import Segment, recv_fd, send_fd
 from aioload._workers.worker import PROGRESS_ID, SLOT_HEADER, WorkerConfig, worker_main
@@ -246,6 +247,8 @@ class PoolSession:
         self._fetches: dict[int, tuple[int, asyncio.Future]] = {}  # fetch id -> (worker, future)
         self._fetched = asyncio.Event()  # no fetch in flight
         self._fetched.set()
+        self._streams: list | None = None  # report_streams(): each worker's reply, as it comes
+        self._streams_in = asyncio.Event()
 
     def drop_slot(self, slot_id: int) -> None:
         for drops in self._drops:
@@ -469,6 +472,11 @@ class PoolSession:
             return False
         elif isinstance(msg, Fetched):
             self._answered(wid, msg)
+        elif isinstance(msg, Streams):
+            if self._streams is not None:
+                self._streams[wid] = msg.record
+                if all(record is not None for record in self._streams):
+                    self._streams_in.set()
         else:  # Done or Stopped
             request = self._inflight[wid].pop(msg.task_id, None)
             if request is not None and not request.future.done():
@@ -507,10 +515,27 @@ class PoolSession:
             await self._reported.wait()
         return None
 
+    async def report_streams(self, timeout: float) -> tuple | None:
+        """Each worker's random streams (:func:`aioload._seeding.capture_streams`), asked once
+        every task sent is answered; ``None`` where a worker does not answer within ``timeout``
+        or the pool broke."""
+        self._streams = [None] * self.pool.num_workers
+        self._streams_in.clear()
+        await self.broadcast(ReportStreams())
+        try:
+            async with asyncio.timeout(timeout):
+                await self._streams_in.wait()
+        except TimeoutError:
+            return None
+        if self.pool.broken is not None:
+            return None
+        return tuple(self._streams)
+
     def _fail_all(self, exc: BaseException) -> None:
         self.pool.broken = exc
         self._reported.set()
         self._idle.set()
+        self._streams_in.set()
         requests = [r for inflight in self._inflight for r in inflight.values()] + self._pending
         for inflight in self._inflight:
             inflight.clear()

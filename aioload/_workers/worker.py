@@ -26,9 +26,10 @@ from aioload._handoff.chunks import ChunkWriter
 from aioload._handoff.layout import Layout
 from aioload._handoff.writers import RowWriter, SlotWriter, column_views
 from aioload._workers.messages import (BatchOut, CancelReads, ChunkOut, Done, DropSlots, Fetched, FetchShard,
-                                      InitError, IterWork, ReadReport, ResumeCopy, RowsOut, RowsWork, Shutdown,
-                                      StartEpoch, Stopped, Task, TaskError, WholeWork, WorkerReady)
-from aioload._seeding import sample_seed, seed_everything, seed_worker
+                                      InitError, IterWork, ReadReport, ReportStreams, ResumeCopy, RowsOut, RowsWork,
+                                      SetStreams, Shutdown, StartEpoch, Stopped, Streams, Task, TaskError, WholeWork,
+                                      WorkerReady)
+from aioload._seeding import capture_streams, restore_streams, sample_seed, seed_everything, seed_worker
 from aioload._handoff import shared as _shared
 from aioload._handoff.shm import Segment, recv_fd, send_fd
 from aioload._workers.fetches import ShardFetches
@@ -372,6 +373,14 @@ class _Worker:
                 continue
             if isinstance(msg, DropSlots):
                 self.drop(msg.slot_ids)
+                continue
+            if isinstance(msg, ReportStreams):  # every task before it is answered: the epoch is over
+                with self.sending:
+                    _wire.send_blocking(self.sock, Streams(capture_streams(torch_worker._worker_info.seed)))
+                continue
+            if isinstance(msg, SetStreams):  # a resumed epoch: the saved run's worker's streams
+                restore_streams(msg.record)
+                _set_worker_info(self.id, self.cfg, msg.record["seed"])
                 continue
             if isinstance(msg, ResumeCopy):
                 if self.cfg.iterable:
