@@ -40,9 +40,7 @@ def shards(samples, tmp_path_factory):
     return {"webdataset": write_webdataset(samples, folder, SHARD), "aioload": write_aioload(samples, folder, SHARD)}
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # indexes kept in the test's own folder
 
 
 def read_all(ds, seed, shuffle=True, **loader_args):

@@ -34,9 +34,7 @@ def server(folder):
         yield s
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # indexes kept in the test's own folder
 
 
 def dataset(server, fetch: str = "workers", **kwargs) -> aioload.WebDataset:

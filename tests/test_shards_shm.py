@@ -59,9 +59,7 @@ def server(folder):
         yield s
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # indexes kept in the test's own folder
 
 
 def remote(server, **kwargs) -> aioload.WebDataset:
