@@ -75,7 +75,7 @@ class Data:
     """The Parquet files, LitData's index of a copy of them, and the same images as files."""
 
     def __init__(self, images: int, classes: int, rows_per_file: int):
-        base = cache_dir() / f"parquet-bench-{images}-{classes}-{rows_per_file}"
+        base = cache_dir() / f"parquet-bench-paged-{images}-{classes}-{rows_per_file}"
         processes = os.cpu_count() or 1
         self.base = base
         self.folder = make_parquet(base / "parquet", images, classes=classes, seed=0, processes=processes,
