@@ -315,15 +315,18 @@ class Parquet(Dataset):
             return await self._cache.get((f, g), lambda: self._fetch(f, g)), index, None
         assert self._pages is not None
         pages = self._pages.read(self.storage, self.urls[f], f, plan, g, r)
-        group = self._cache.get((f, g), lambda: self._fetch(f, g)) if self._group_columns(f) else _none()
+        chunks: Chunks | None = None
         try:
-            got = await asyncio.gather(pages, group)
+            if self._group_columns(f):
+                found, chunks = await asyncio.gather(pages, self._cache.get((f, g), lambda: self._fetch(f, g)))
+            else:
+                found = await pages
         except ParquetError:
             raise
         except (ValueError, KeyError, IndexError) as exc:  # a page index that does not fit the footer
             raise ParquetError(f"{self.describe(index)}: the file's page index cannot be read ({exc}); the file "
                                "is corrupt, or was written again since its footer was read") from exc
-        return got[1], index, got[0]
+        return chunks, index, found
 
     def read_blocking(self, index: int) -> tuple[Chunks | None, int, RowPages | None]:
         ready = self.read_nowait(index)
@@ -435,10 +438,6 @@ class Parquet(Dataset):
         mode = "uniform" if self.window is None else f"window={self.window}"
         return (f"Parquet({len(self.urls)} files, {len(self._layout.group_rows)} row groups, {len(self)} rows, "
                 f"columns={self.columns}, {mode})")
-
-
-async def _none() -> None:
-    return None
 
 
 def _value(scalar: Any, numeric_list: bool) -> Any:

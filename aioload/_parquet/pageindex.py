@@ -147,7 +147,7 @@ class _Schema:
             for i in range(children):
                 child = self.node(arrow_type.field(i).type, level)
                 ok = ok and child is not None
-                fields.append((self.elements_name(i, arrow_type), child))
+                fields.append((arrow_type.field(i).name, child))
             return Node(level if rep == OPTIONAL else None, fields=tuple(fields)) if ok else None  # type: ignore[arg-type]
         self.at += 1
         self.leaf += 1
@@ -157,10 +157,6 @@ class _Schema:
             return None
         leaf = Leaf(self.leaf - 1, e[4].decode("utf-8", "replace"), physical, width, level, kind)
         return Node(level if rep == OPTIONAL else None, leaf=leaf)
-
-    @staticmethod
-    def elements_name(i: int, arrow_type: Any) -> str:
-        return arrow_type.field(i).name
 
 
 def _chunk(column: dict[int, Any]) -> Chunk | None:

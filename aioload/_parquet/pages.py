@@ -20,15 +20,17 @@ import numpy as np
 
 from aioload._parquet.pageindex import FilePages, Leaf
 from aioload._parquet.rowgroups import RowGroupCache
-from aioload._parquet.values import column_value, leaf_value, needs_dictionary
+from aioload._parquet.values import PageError, column_value, leaf_value, needs_dictionary, page_values
 from aioload._storage.storage import Storage, read_buffer
 
 
 class Piece:
-    """Fetched bytes of a file: ``data`` from byte ``offset``; ``nbytes``, its weight in a cache."""
+    """Fetched bytes of a file: ``data`` from byte ``offset``; ``nbytes``, its weight in a cache;
+    ``decoded``: a small chunk's pages decoded whole, by their position in ``data``."""
 
     def __init__(self, offset: int, data: Any):
         self.offset, self.data, self.nbytes = offset, data, len(data)
+        self.decoded: dict[int, list[tuple[int, Any]]] = {}
 
 
 async def fetch_piece(storage: Storage, url: str, offset: int, length: int) -> Piece:
@@ -54,17 +56,21 @@ class RowPages:
         page_at, first = plan.locate(self.index, self.group, self.row, leaf)
         whole = self.pieces.get((self.group, leaf.index, "chunk"))
         dictionary = None
-        if whole is not None:
-            buf, at = whole.data, page_at - whole.offset
-            if chunk.dictionary is not None:
-                dictionary = (whole.data, chunk.dictionary - whole.offset)
-        else:
-            page = self.pieces[self.group, leaf.index, self._page(plan, leaf)]
-            buf, at = page.data, 0
-            found = self.pieces.get((self.group, leaf.index, "dict"))
-            if found is not None:
-                dictionary = (found.data, 0)
-        return leaf_value(buf, at, chunk.codec, self.row - first, leaf, dictionary)
+        if whole is not None:  # a small chunk: its page decoded once for every row that comes to it
+            at = page_at - whole.offset
+            decoded = whole.decoded.get(at)
+            if decoded is None:
+                if chunk.dictionary is not None:
+                    dictionary = (whole.data, chunk.dictionary - whole.offset)
+                decoded = whole.decoded[at] = page_values(whole.data, at, chunk.codec, leaf, dictionary)
+            if not 0 <= self.row - first < len(decoded):
+                raise PageError(f"the row is value {self.row - first} of a page of {len(decoded)}")
+            return decoded[self.row - first]
+        page = self.pieces[self.group, leaf.index, self._page(plan, leaf)]
+        found = self.pieces.get((self.group, leaf.index, "dict"))
+        if found is not None:
+            dictionary = (found.data, 0)
+        return leaf_value(page.data, 0, chunk.codec, self.row - first, leaf, dictionary)
 
     def _page(self, plan: FilePages, leaf: Leaf) -> int:
         firsts = plan.pages(self.index, self.group, leaf.index)[2]
@@ -119,8 +125,13 @@ class PageReader:
         index = await self.index(storage, url, f, plan)
         wanted = {key: (offset, length) for leaf in plan.leaves()
                   for key, offset, length in plan.pieces(index, group, row, leaf)}
-        pieces = dict(zip(wanted, await asyncio.gather(*(self._get(storage, url, f, key, *span)
-                                                         for key, span in wanted.items()))))
+        pieces = {key: piece for key in wanted if (piece := self.pages.peek((f, key))) is not None}
+        missing = [key for key in wanted if key not in pieces]  # no task for what is held
+        if len(missing) == 1:
+            pieces[missing[0]] = await self._get(storage, url, f, missing[0], *wanted[missing[0]])
+        elif missing:
+            pieces.update(zip(missing, await asyncio.gather(*(self._get(storage, url, f, key, *wanted[key])
+                                                              for key in missing))))
         for leaf in plan.leaves():  # a page coded against the writer's statistics: its dictionary now
             chunk = plan.chunks[group][leaf.index]
             if chunk.dictionary is None or (group, leaf.index, "chunk") in pieces:

@@ -107,16 +107,71 @@ def _python(raw: bytes, leaf: Leaf) -> Any:
     return raw.decode("utf-8") if leaf.kind == "str" else raw
 
 
-def dictionary_value(buf: Any, at: int, codec: str | None, k: int, leaf: Leaf) -> Any:
-    """Entry ``k`` of the dictionary page at ``buf[at]``."""
+def _dictionary_page(buf: Any, at: int, codec: str | None) -> tuple[int, memoryview]:
+    """``(entries, PLAIN values)`` of the dictionary page at ``buf[at]``."""
     head, body = header(buf, at)
     if head.get(1) != DICTIONARY_PAGE:
         raise PageError(f"the column chunk's dictionary page (byte {at}) is a page of type {head.get(1)}")
-    count = head.get(7, {}).get(1, 0)
+    return head.get(7, {}).get(1, 0), _decompress(memoryview(buf)[body:body + head[3]], codec, head[2])
+
+
+def dictionary_value(buf: Any, at: int, codec: str | None, k: int, leaf: Leaf) -> Any:
+    """Entry ``k`` of the dictionary page at ``buf[at]``."""
+    count, data = _dictionary_page(buf, at, codec)
     if not 0 <= k < count:
         raise PageError(f"a dictionary index {k} is outside the dictionary's {count} entries")
-    data = _decompress(memoryview(buf)[body:body + head[3]], codec, head[2])
     return plain_value(data, k, leaf)
+
+
+class _Page:
+    """A data page's parts: ``count`` values (rows, outside lists), their ``encoding``, the
+    definition levels' bytes (``None``: the leaf is required) and the values' bytes."""
+
+    def __init__(self, buf: Any, at: int, codec: str | None, leaf: Leaf):
+        head, body = header(buf, at)
+        kind, compressed, size = head.get(1), head.get(3, 0), head.get(2, 0)
+        raw = memoryview(buf)[body:body + compressed]
+        if len(raw) < compressed:
+            raise PageError(f"the page at byte {at} runs past the bytes fetched")
+        self.levels: memoryview | None = None
+        if kind == DATA_PAGE:
+            page = head[5]
+            self.count, self.encoding = page[1], page[2]
+            data = _decompress(raw, codec, size)
+            pos = 0
+            if leaf.max_def:
+                if page.get(3, RLE) != RLE:
+                    raise PageError(f"the page's definition levels are encoded {page.get(3)} (BIT_PACKED, "
+                                    "deprecated), not RLE")
+                n = int.from_bytes(data[:4], "little")
+                self.levels, pos = data[4:4 + n], 4 + n
+            self.values = data[pos:]
+        elif kind == DATA_PAGE_V2:
+            page = head[8]
+            self.count, self.encoding = page[1], page[4]
+            nrep, ndef = page.get(6, 0), page.get(5, 0)
+            self.levels = raw[nrep:nrep + ndef] if leaf.max_def else None
+            self.values = raw[nrep + ndef:]
+            if page.get(7, True):
+                self.values = _decompress(self.values, codec, size - nrep - ndef)
+        else:
+            raise PageError(f"the page at byte {at} is of type {kind}, not a data page")
+        if self.encoding not in (PLAIN, RLE) and self.encoding not in DICTIONARY_ENCODINGS \
+                or self.encoding == RLE and leaf.physical != BOOLEAN:
+            raise PageError(f"the page's encoding {self.encoding} is neither PLAIN nor a dictionary's")
+
+    def defs(self, leaf: Leaf, n: int) -> np.ndarray:
+        """The first ``n`` definition levels."""
+        if self.levels is None:
+            return np.full(n, leaf.max_def, dtype=np.int64)
+        return hybrid(self.levels, leaf.max_def.bit_length(), n)
+
+    def indices(self, n: int) -> np.ndarray:
+        """The first ``n`` dictionary indices (or booleans, RLE-encoded)."""
+        if self.encoding == RLE:
+            size = int.from_bytes(self.values[:4], "little")
+            return hybrid(self.values[4:4 + size], 1, n)
+        return hybrid(self.values[1:], self.values[0], n) if n else np.zeros(0, dtype=np.int64)
 
 
 def leaf_value(buf: Any, at: int, codec: str | None, slot: int, leaf: Leaf,
@@ -124,52 +179,70 @@ def leaf_value(buf: Any, at: int, codec: str | None, slot: int, leaf: Leaf,
     """``(definition level, value)`` of the row at ``slot`` in the data page at ``buf[at]``
     (``dictionary``: the buffer and position of the chunk's dictionary page, where fetched);
     the value is ``None`` where the level is below the leaf's maximum."""
-    head, body = header(buf, at)
-    kind, compressed, size = head.get(1), head.get(3, 0), head.get(2, 0)
-    raw = memoryview(buf)[body:body + compressed]
-    if len(raw) < compressed:
-        raise PageError(f"the page at byte {at} runs past the bytes fetched")
-    if kind == DATA_PAGE:
-        page = head[5]
-        count, encoding = page[1], page[2]
-        data = _decompress(raw, codec, size)
-        levels, pos = None, 0
-        if leaf.max_def and page.get(3, RLE) != RLE:
-            raise PageError(f"the page's definition levels are encoded {page.get(3)} (BIT_PACKED, deprecated), not RLE")
-        if leaf.max_def:
-            n = int.from_bytes(data[:4], "little")
-            levels = data[4:4 + n]
-            pos = 4 + n
-        values = data[pos:]
-    elif kind == DATA_PAGE_V2:
-        page = head[8]
-        count, encoding = page[1], page[4]
-        nrep, ndef = page.get(6, 0), page.get(5, 0)
-        levels = raw[nrep:nrep + ndef] if leaf.max_def else None
-        values = raw[nrep + ndef:]
-        if page.get(7, True):
-            values = _decompress(values, codec, size - nrep - ndef)
+    page = _Page(buf, at, codec, leaf)
+    if not 0 <= slot < page.count:
+        raise PageError(f"the row is value {slot} of a page of {page.count}")
+    defs = page.defs(leaf, slot + 1)
+    if defs[slot] < leaf.max_def:
+        return int(defs[slot]), None
+    k = int(np.count_nonzero(defs[:slot] == leaf.max_def))
+    if page.encoding == PLAIN:
+        return leaf.max_def, plain_value(page.values, k, leaf)
+    if page.encoding == RLE:
+        return leaf.max_def, bool(page.indices(k + 1)[k])
+    if dictionary is None:
+        raise PageError("the page is dictionary-encoded and its column chunk has no dictionary page")
+    return leaf.max_def, dictionary_value(dictionary[0], dictionary[1], codec, int(page.indices(k + 1)[k]), leaf)
+
+
+def page_values(buf: Any, at: int, codec: str | None, leaf: Leaf,
+                dictionary: tuple[Any, int] | None) -> list[tuple[int, Any]]:
+    """``(definition level, value)`` of every row of the data page at ``buf[at]``: a small
+    chunk's page, decoded once for the rows that come to it again."""
+    page = _Page(buf, at, codec, leaf)
+    defs = page.defs(leaf, page.count)
+    n = int(np.count_nonzero(defs == leaf.max_def))
+    if page.encoding == PLAIN:
+        values = [plain_value(page.values, k, leaf) for k in range(n)] if leaf.physical == BYTE_ARRAY \
+            else _plain_all(page.values, n, leaf)
+    elif page.encoding == RLE:
+        values = [bool(b) for b in page.indices(n)]
     else:
-        raise PageError(f"the page at byte {at} is of type {kind}, not a data page")
-    if not 0 <= slot < count:
-        raise PageError(f"the row is value {slot} of a page of {count}")
-    k = slot
-    if levels is not None:
-        defs = hybrid(levels, leaf.max_def.bit_length(), slot + 1)
-        if defs[slot] < leaf.max_def:
-            return int(defs[slot]), None
-        k = int(np.count_nonzero(defs[:slot] == leaf.max_def))
-    if encoding == PLAIN:
-        return leaf.max_def, plain_value(values, k, leaf)
-    if encoding == RLE and leaf.physical == BOOLEAN:
-        n = int.from_bytes(values[:4], "little")
-        return leaf.max_def, bool(hybrid(values[4:4 + n], 1, k + 1)[k])
-    if encoding in DICTIONARY_ENCODINGS:
         if dictionary is None:
             raise PageError("the page is dictionary-encoded and its column chunk has no dictionary page")
-        index = int(hybrid(values[1:], values[0], k + 1)[k]) if len(values) else -1
-        return leaf.max_def, dictionary_value(dictionary[0], dictionary[1], codec, index, leaf)
-    raise PageError(f"the page's encoding {encoding} is neither PLAIN nor a dictionary's")
+        count, data = _dictionary_page(dictionary[0], dictionary[1], codec)
+        entries = _plain_all(data, count, leaf)
+        indices = page.indices(n)
+        if n and (indices.min() < 0 or indices.max() >= count):
+            raise PageError(f"a dictionary index is outside the dictionary's {count} entries")
+        values = [entries[i] for i in indices.tolist()]
+    out: list[tuple[int, Any]] = []
+    it = iter(values)
+    for d in defs.tolist():
+        out.append((d, next(it) if d == leaf.max_def else None))
+    return out
+
+
+def _plain_all(data: memoryview, n: int, leaf: Leaf) -> list[Any]:
+    """The first ``n`` PLAIN-encoded values."""
+    if leaf.physical == BYTE_ARRAY:
+        out, pos = [], 0
+        for _ in range(n):
+            size = int.from_bytes(data[pos:pos + 4], "little")
+            if pos + 4 + size > len(data):
+                raise PageError(f"a value runs past the page's {len(data)} bytes")
+            out.append(_python(bytes(data[pos + 4:pos + 4 + size]), leaf))
+            pos += 4 + size
+        return out
+    if leaf.physical == BOOLEAN:
+        bits = np.unpackbits(np.frombuffer(data[:(n + 7) // 8], dtype=np.uint8), bitorder="little")
+        return [bool(b) for b in bits[:n]]
+    if leaf.physical == FIXED_LEN_BYTE_ARRAY:
+        return [bytes(data[k * leaf.width:(k + 1) * leaf.width]) for k in range(n)]
+    width = _FIXED[leaf.physical]
+    if n * width > len(data):
+        raise PageError(f"{n} values run past the page's {len(data)} bytes")
+    return np.frombuffer(data[:n * width], dtype=_FORMATS[leaf.kind, width]).tolist()
 
 
 def needs_dictionary(buf: Any, at: int) -> bool:
