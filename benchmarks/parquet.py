@@ -7,17 +7,17 @@ map-style Arrow cache) and LitData's Parquet reader, locally and behind HTTP lat
 The data: ``aioload make-data --format parquet``'s files (``aioload._tools.synth.make_parquet``):
 ``--images`` synthetic ImageNet-like JPEGs in ``--classes`` classes, laid out as the Hub's image
 sets (an ``image`` struct ``{"bytes", "path"}`` and a ``label`` column, ``datasets``' ``Image``
-feature, row groups of 100 rows), ``--rows-per-file`` rows a file, sorted by class: a loader that
-shuffles poorly shows it in the classes per batch. Made once, in ``$AIOLOAD_CACHE``, with the
+feature, row groups of 100 rows, a page per image and a page index), ``--rows-per-file`` rows a
+file, sorted by class: a loader that shuffles poorly shows it in the classes per batch. Made once, in ``$AIOLOAD_CACHE``, with the
 same images as loose JPEGs for the ceiling and torch's row.
 
 Every row decodes with ``aioload.decode_image`` and applies ``RandomResizedCrop(224)`` + flip
 on uint8 tensors, in batches of ``--batch-size`` with ``--workers`` worker processes:
 
 * ``aioload uniform``: ``aioload.Parquet(files, columns=["image", "label"], decode=...)``, a
-  uniform shuffle over rows, row groups fetched in the workers and kept in each worker's row
-  group cache of ``--cache-mb`` (smaller than the data, as for a real set: a uniform shuffle
-  then fetches a row group for nearly every row);
+  uniform shuffle over rows: through the page index, each row's image page fetched in the
+  worker that decodes it (and each row group's small label and path chunks once per worker),
+  kept in each worker's cache of ``--cache-mb`` (smaller than the data, as for a real set);
 * ``aioload window=K``: the same with ``window=K``, rows drawn from K row groups at a time;
 * ``datasets streaming``: ``load_dataset("parquet", data_files=files, streaming=True)
   .shuffle(seed, buffer_size=1000)`` (its recipe: files shuffled, a buffer of 1,000 rows),
@@ -75,7 +75,7 @@ class Data:
     """The Parquet files, LitData's index of a copy of them, and the same images as files."""
 
     def __init__(self, images: int, classes: int, rows_per_file: int):
-        base = cache_dir() / f"parquet-bench-{images}-{classes}-{rows_per_file}"
+        base = cache_dir() / f"parquet-bench-paged-{images}-{classes}-{rows_per_file}"
         processes = os.cpu_count() or 1
         self.base = base
         self.folder = make_parquet(base / "parquet", images, classes=classes, seed=0, processes=processes,
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     parser.add_argument("--mb-per-s", type=float, default=200.0, help="each HTTP response's pace (default: 200)")
     parser.add_argument("--window", type=int, default=8, help="aioload's window mode: row groups open at a time")
     parser.add_argument("--cache-mb", type=float, default=64.0,
-                        help="aioload's row group cache per worker (default: 64, a few row groups)")
+                        help="aioload's row group (and page) cache per worker (default: 64, a few row groups)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)

@@ -11,9 +11,10 @@ from tests.shards_data import image_samples
 __all__ = ["image_samples", "plain", "reference", "write_datasets", "write_pyarrow"]
 
 
-def write_pyarrow(samples, folder: Path, per_file: int, row_group_size: int) -> list[str]:
+def write_pyarrow(samples, folder: Path, per_file: int, row_group_size: int, **options) -> list[str]:
     """Files ``part-NNN.parquet`` of ``per_file`` rows each (``key``, ``image`` bytes, ``label``,
-    ``tokens``: a list of ints as long as the key), in row groups of ``row_group_size``."""
+    ``tokens``: a list of ints as long as the key), in row groups of ``row_group_size``
+    (``options``: more of ``pq.write_table``'s, a page index say)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -25,7 +26,7 @@ def write_pyarrow(samples, folder: Path, per_file: int, row_group_size: int) -> 
                           "label": [t for _, _, t in part],
                           "tokens": [[ord(c) for c in k] for k, _, _ in part]})
         path = folder / f"part-{n:03d}.parquet"
-        pq.write_table(table, path, row_group_size=row_group_size)
+        pq.write_table(table, path, row_group_size=row_group_size, **options)
         paths.append(str(path))
     return paths
 

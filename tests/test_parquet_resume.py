@@ -19,10 +19,13 @@ SEED = 7
 K = 2  # batches delivered on each rank before the save
 
 
-@pytest.fixture(scope="module")
-def files(image_root, tmp_path_factory):
+@pytest.fixture(scope="module", params=["row groups", "pages"])
+def files(image_root, tmp_path_factory, request):
+    """Without a page index (a uniform shuffle reads row groups), and with one and a page per
+    row (it reads pages)."""
+    options = {"write_page_index": True, "max_rows_per_page": 1} if request.param == "pages" else {}
     return write_pyarrow(image_samples(image_root), tmp_path_factory.mktemp("pq-resume"), per_file=20,
-                         row_group_size=6)
+                         row_group_size=6, **options)
 
 
 @pytest.fixture(autouse=True)

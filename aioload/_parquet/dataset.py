@@ -10,12 +10,16 @@ group -- only the columns asked for -- and keeps them in that process's row grou
 (:mod:`aioload._parquet.rowgroups`), so the other rows of the row group that reach the same
 worker soon cost nothing more; ``decode`` decodes the row group with pyarrow once and takes
 the row out of it. ``window=k`` draws the order from ``k`` row groups at a time, so nearly
-every row is served from a row group already fetched; ``window=None`` is a uniform shuffle,
-which fetches a row group for nearly every row (``docs/parquet.md`` has the cost in bytes).
+every row is served from a row group already fetched. ``window=None`` is a uniform shuffle:
+where a file has a page index, a read fetches only the pages that hold the row's values
+(:mod:`aioload._parquet.pages`) and decode takes the values out of them
+(:mod:`aioload._parquet.values`); without one, or for a column pages cannot serve (a list), it
+fetches a row group for nearly every row (``docs/parquet.md`` has the cost in bytes).
 """
 
 from __future__ import annotations
 
+import asyncio
 import glob as globmod
 import logging
 import operator
@@ -30,6 +34,9 @@ from aioload._dataset import NOT_READY, Dataset
 from aioload._parquet import footer as _footer
 from aioload._parquet.footer import Footer, FooterCache, ParquetError
 from aioload._parquet.order import Layout
+from aioload._parquet.pageindex import FilePages
+from aioload._parquet.pages import PageReader, RowPages
+from aioload._parquet.values import PageError
 from aioload._parquet.rowgroups import Chunks, RowGroupCache, fetch, ranges
 from aioload._shards.urls import shard_urls
 from aioload._storage import scope as _scope
@@ -122,18 +129,21 @@ class Parquet(Dataset):
     * ``audio`` -- keyword arguments of :func:`aioload.decode_audio` (``sample_rate``,
       ``seconds``, ...) for the columns ``datasets`` marks as ``Audio``; without it, sounds
       stay encoded.
-    * ``window`` -- ``None``: a uniform shuffle over every row. ``k``: rows drawn from ``k``
+    * ``window`` -- ``None``: a uniform shuffle over every row; a row costs the pages that hold
+      it where the files have a page index, else its row group. ``k``: rows drawn from ``k``
       row groups at a time, which each worker fetches once (see ``docs/parquet.md``).
     * ``cache_bytes`` -- the bound on the row groups each process keeps (fetched bytes, counted
-      twice for the decoded table); window mode always keeps its ``k + 2`` latest.
+      twice for the decoded table), and in uniform mode on the pages it keeps besides; window
+      mode always keeps its ``k + 2`` latest row groups.
     * ``storage`` -- an :class:`aioload.Storage` (retries, timeouts, credentials).
     * ``footer_cache`` -- where footers are kept between runs: ``True`` (default:
       ``$AIOLOAD_CACHE/parquet-footer``), a folder, or ``False``.
 
     The footers are read at construction: a missing file raises ``FileNotFoundError``, a file
     that is not Parquet or lacks a column asked for raises :class:`aioload.ParquetError`. A
-    row group that cannot be fetched or decoded fails each of its rows when it is read, with
-    the file, the row group and the row named (``on_error="skip"`` leaves them out).
+    row group or page that cannot be fetched or decoded fails each of its rows when it is read,
+    with the file, the row group and the row named, and the column for a page
+    (``on_error="skip"`` leaves them out).
     """
 
     def __init__(self, urls: str | os.PathLike | Sequence[str | os.PathLike],
@@ -184,8 +194,11 @@ class Parquet(Dataset):
         self._leaves = [np.array([i for c in self.columns for i in f.leaves[c]], dtype=np.int64)
                         for f in self._footers]
         keep = window + 2 if window is not None else 1
-        self._cache = RowGroupCache(cache_bytes, keep)
+        self._cache: RowGroupCache[Chunks] = RowGroupCache(cache_bytes, keep)
+        # a uniform shuffle reads by page the columns whose files have a page index
+        self._pages = PageReader(cache_bytes) if window is None else None
         self._parsed: dict[int, Any] = {}
+        self._plans: dict[int, FilePages | None] = {}
 
     def _check_columns(self) -> None:
         for f in self._footers:
@@ -200,6 +213,7 @@ class Parquet(Dataset):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_parsed"] = {}  # pyarrow's parsed footers are made again where they are used
+        state["_plans"] = {}
         return state
 
     # -- what the dataset holds ---------------------------------------------------------------
@@ -245,9 +259,9 @@ class Parquet(Dataset):
 
     @property
     def read_in_workers(self) -> bool:  # type: ignore[override]
-        """Always: a read hands its worker the whole row group it fetched, which is cheap in the
-        process that decodes and costly to send to another (a storage cache is then each
-        worker's own)."""
+        """Always: a read hands its worker the whole row group it fetched (or the row's pages),
+        which is cheap in the process that decodes and costly to send to another (a storage
+        cache is then each worker's own)."""
         return True
 
     # -- reads ----------------------------------------------------------------------------------
@@ -255,22 +269,66 @@ class Parquet(Dataset):
         f, g, _ = self._layout.locate(index)
         return f, g
 
+    def _plan(self, f: int) -> FilePages | None:
+        """File ``f``'s columns read by page (uniform mode), or ``None``: all by row group."""
+        if self._pages is None:
+            return None
+        if f not in self._plans:
+            plan = FilePages(self._footers[f].raw, self._metadata(f).schema.to_arrow_schema(), self.columns)
+            self._plans[f] = plan if plan.nodes else None
+        return self._plans[f]
+
+    def _group_columns(self, f: int) -> list[str]:
+        """The columns of file ``f`` read with their row group."""
+        plan = self._plan(f)
+        return self.columns if plan is None else [c for c in self.columns if c not in plan.nodes]
+
     def _fetch(self, f: int, g: int):
         footer = self._footers[f]
-        starts, lengths = _footer.chunk_ranges(self._metadata(f), footer.size, footer.url, g, self._leaves[f])
+        plan = self._plan(f)
+        leaves = self._leaves[f] if plan is None else [i for c in self._group_columns(f) for i in footer.leaves[c]]
+        starts, lengths = _footer.chunk_ranges(self._metadata(f), footer.size, footer.url, g, leaves)
         return fetch(self.storage, footer.url, ranges(starts, lengths))
 
     def read_nowait(self, index: int) -> Any:
         index = self._check(index)
-        chunks = self._cache.peek(self._key(index))
-        return NOT_READY if chunks is None else (chunks, index)
+        f, g, r = self._layout.locate(index)
+        plan = self._plan(f)
+        chunks = None
+        if plan is None or self._group_columns(f):
+            chunks = self._cache.peek((f, g))
+            if chunks is None:
+                return NOT_READY
+        pages = None
+        if plan is not None:
+            assert self._pages is not None
+            pages = self._pages.read_nowait(f, plan, g, r)
+            if pages is None:
+                return NOT_READY
+        return chunks, index, pages
 
-    async def read(self, index: int) -> tuple[Chunks, int]:
+    async def read(self, index: int) -> tuple[Chunks | None, int, RowPages | None]:
         index = self._check(index)
-        f, g = self._key(index)
-        return await self._cache.get((f, g), lambda: self._fetch(f, g)), index
+        f, g, r = self._layout.locate(index)
+        plan = self._plan(f)
+        if plan is None:
+            return await self._cache.get((f, g), lambda: self._fetch(f, g)), index, None
+        assert self._pages is not None
+        pages = self._pages.read(self.storage, self.urls[f], f, plan, g, r)
+        chunks: Chunks | None = None
+        try:
+            if self._group_columns(f):
+                found, chunks = await asyncio.gather(pages, self._cache.get((f, g), lambda: self._fetch(f, g)))
+            else:
+                found = await pages
+        except ParquetError:
+            raise
+        except (ValueError, KeyError, IndexError) as exc:  # a page index that does not fit the footer
+            raise ParquetError(f"{self.describe(index)}: the file's page index cannot be read ({exc}); the file "
+                               "is corrupt, or was written again since its footer was read") from exc
+        return chunks, index, found
 
-    def read_blocking(self, index: int) -> tuple[Chunks, int]:
+    def read_blocking(self, index: int) -> tuple[Chunks | None, int, RowPages | None]:
         ready = self.read_nowait(index)
         if ready is not NOT_READY:
             return ready
@@ -283,13 +341,34 @@ class Parquet(Dataset):
             md = self._parsed[f] = _footer.parse(self._footers[f].raw, self.urls[f])
         return md
 
-    def row(self, raw: tuple[Chunks, int]) -> dict[str, Any]:
+    def row(self, raw: tuple[Chunks | None, int, RowPages | None]) -> dict[str, Any]:
         """What a read returned, as the row dict ``{column: value}`` with values as stored."""
-        chunks, index = raw
+        chunks, index, pages = raw
         f, g, r = self._layout.locate(index)
+        out = self._page_values(f, pages, index) if pages is not None else {}
+        if chunks is not None:
+            out.update(self._group_values(chunks, f, g, r))
+        return {name: out[name] for name in self.columns}
+
+    def _page_values(self, f: int, pages: RowPages, index: int) -> dict[str, Any]:
+        plan = self._plan(f)
+        assert plan is not None
+        out = {}
+        for name in plan.nodes:
+            try:
+                out[name] = pages.value(plan, name)
+            except (PageError, ValueError, KeyError, IndexError) as exc:
+                raise ParquetError(f"{self.describe(index)}, column {name!r}: a page cannot be decoded "
+                                   f"({type(exc).__name__}: {exc}); the file is corrupt or was written again since "
+                                   "its footer was read (where pyarrow reads it, window=k reads whole row groups "
+                                   "with pyarrow)") from exc
+        return out
+
+    def _group_values(self, chunks: Chunks, f: int, g: int, r: int) -> dict[str, Any]:
         footer = self._footers[f]
+        columns = self._group_columns(f)
         try:
-            table = chunks.table(self._metadata(f), footer.size, g, self.columns)
+            table = chunks.table(self._metadata(f), footer.size, g, columns)
         except Exception as exc:
             raise ParquetError(f"{footer.url}, row group {g}, row {r}: the row group cannot be decoded "
                                f"({type(exc).__name__}: {exc}); the file is corrupt, or was written again since "
@@ -298,9 +377,9 @@ class Parquet(Dataset):
             raise ParquetError(f"{footer.url}, row group {g}, row {r}: the row group decoded to {table.num_rows} "
                                f"rows, and its footer says {int(footer.rows[g])}")
         numeric = chunks.numeric_lists(table)
-        return {name: _value(table.column(name)[r], name in numeric) for name in self.columns}
+        return {name: _value(table.column(name)[r], name in numeric) for name in columns}
 
-    def decode(self, raw: tuple[Chunks, int]) -> Any:
+    def decode(self, raw: tuple[Chunks | None, int, RowPages | None]) -> Any:
         row = self.row(raw)
         if self._decode_fn is not None:
             return self._decode_fn(row)

@@ -19,7 +19,7 @@ import asyncio
 import io
 import threading
 from collections import OrderedDict
-from typing import Any, Awaitable, Callable, Hashable
+from typing import Any, Awaitable, Callable, Generic, Hashable, Protocol, TypeVar
 
 import numpy as np
 
@@ -142,14 +142,22 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
-class RowGroupCache:
+class Weighed(Protocol):
+    nbytes: int
+
+
+T = TypeVar("T", bound=Weighed)
+
+
+class RowGroupCache(Generic[T]):
     """The row groups this process fetched, least recently used dropped first once they weigh
     more than ``max_bytes`` (but ``keep`` are always kept: window mode keeps its open row
-    groups). A row group being fetched is shared by every read that asks for it meanwhile."""
+    groups). A row group being fetched is shared by every read that asks for it meanwhile.
+    Pages (:mod:`aioload._parquet.pages`) are kept in one too: any entry with ``nbytes``."""
 
     def __init__(self, max_bytes: int, keep: int = 1):
         self.max_bytes, self.keep = max_bytes, keep
-        self._done: OrderedDict[Hashable, Chunks] = OrderedDict()
+        self._done: OrderedDict[Hashable, T] = OrderedDict()
         self._weight = 0
         self._pending: dict[Hashable, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -163,7 +171,7 @@ class RowGroupCache:
     def __setstate__(self, state):
         self.__init__(state["max_bytes"], state["keep"])
 
-    def peek(self, key: Hashable) -> Chunks | None:
+    def peek(self, key: Hashable) -> T | None:
         with self._lock:
             chunks = self._done.get(key)
             if chunks is not None:
@@ -171,7 +179,7 @@ class RowGroupCache:
                 self.hits += 1
             return chunks
 
-    async def get(self, key: Hashable, make: Callable[[], Awaitable[Chunks]]) -> Chunks:
+    async def get(self, key: Hashable, make: Callable[[], Awaitable[T]]) -> T:
         chunks = self.peek(key)
         if chunks is not None:
             return chunks
@@ -184,7 +192,7 @@ class RowGroupCache:
             pending.add_done_callback(_retrieve)  # every reader may be gone when it fails
         return await asyncio.shield(pending)
 
-    async def _fetch(self, key: Hashable, make: Callable[[], Awaitable[Chunks]]) -> Chunks:
+    async def _fetch(self, key: Hashable, make: Callable[[], Awaitable[T]]) -> T:
         try:
             chunks = await make()
         finally:

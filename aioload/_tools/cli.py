@@ -498,7 +498,8 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="the seed that picks every image (default: %(default)s)")
     m.add_argument("--format", choices=("folder", "parquet"), default="folder",
                    help="folder: class folders of JPEGs; parquet: the same images in Parquet files, as the "
-                        "Hugging Face Hub keeps image sets (image and label columns; needs pyarrow) "
+                        "Hugging Face Hub keeps image sets (image and label columns, a page per image and a page index, "
+                        "so that a uniform shuffle reads one page per row; needs pyarrow) "
                         "(default: %(default)s)")
     s = sub.add_parser("make-shards", help="write a class-per-folder tree as WebDataset tar shards",
                        epilog=EPILOG, formatter_class=help_fmt,

@@ -187,6 +187,16 @@ PARQUET_ROWS_PER_GROUP = 100
 """Rows per row group of :func:`make_parquet`'s files: what ``datasets`` and the Hub's Parquet
 conversion write for image sets."""
 
+PARQUET_WRITE_OPTIONS = {
+    "write_page_index": True, "data_page_size": 1 << 10, "write_batch_size": 1,
+    "use_dictionary": ["label"], "column_encoding": {"image.bytes": "PLAIN", "image.path": "PLAIN"},
+    "compression": {"image.bytes": "none", "image.path": "none", "label": "snappy"},
+}
+"""How :func:`make_parquet` writes: with a page index, and a page per image (pages are cut
+between write batches of one row once they pass 1 KiB), so that a uniform shuffle fetches
+one image's page per row (``docs/parquet.md``); the images stored as ``datasets`` stores them
+(PLAIN, not compressed again)."""
+
 
 def _jpegs(args) -> list[bytes]:
     import io
@@ -205,7 +215,8 @@ def make_parquet(root: str | os.PathLike, images: int = DEFAULT_IMAGES, classes:
     """Write (once) :func:`make_data`'s images as Parquet files ``root/train-NNNNN-of-NNNNN.parquet``,
     laid out as the Hub's image sets are: an ``image`` column of ``{"bytes", "path"}`` and a
     ``label`` column, marked ``Image`` and ``ClassLabel`` in ``datasets``' metadata, row groups
-    of :data:`PARQUET_ROWS_PER_GROUP` rows. The rows are sorted by class (class 0's images
+    of :data:`PARQUET_ROWS_PER_GROUP` rows, a page per image and a page index
+    (:data:`PARQUET_WRITE_OPTIONS`). The rows are sorted by class (class 0's images
     first), as a folder's are, so that a loader's shuffle shows in its batches. Needs pyarrow."""
     import json
 
@@ -248,7 +259,7 @@ def make_parquet(root: str | os.PathLike, images: int = DEFAULT_IMAGES, classes:
                               "label": [i % classes for i in rows]}, schema=schema)
             path = root / f"train-{n:05d}-of-{files:05d}.parquet"
             tmp = path.with_suffix(f".tmp{os.getpid()}")
-            pq.write_table(table, tmp, row_group_size=PARQUET_ROWS_PER_GROUP)
+            pq.write_table(table, tmp, row_group_size=PARQUET_ROWS_PER_GROUP, **PARQUET_WRITE_OPTIONS)
             os.replace(tmp, path)
             written += len(rows)
     finally:

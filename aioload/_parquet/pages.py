@@ -1,0 +1,146 @@
+"""A row's pages fetched by range and kept a while in the process that reads them.
+
+What a row needs (:meth:`aioload._parquet.pageindex.FilePages.pieces`: a data page of each
+leaf read by page, the chunk's dictionary page where that page may use it, or a small chunk
+whole) is fetched together, each piece once per process while the :class:`~aioload.
+_parquet.rowgroups.RowGroupCache` of pages holds it (a page being fetched is shared by every
+read that needs it meanwhile). A data page that turns out dictionary-encoded against the
+writer's encoding statistics costs one more request for its dictionary page.
+
+:class:`RowPages` is what a read returns; :meth:`RowPages.value` decodes it (in the worker)
+into a column's value with :mod:`aioload._parquet.values`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from aioload._parquet.pageindex import FilePages, Leaf
+from aioload._parquet.rowgroups import RowGroupCache
+from aioload._parquet.values import PageError, column_value, leaf_value, needs_dictionary, page_values
+from aioload._storage.storage import Storage, read_buffer
+
+
+class Piece:
+    """Fetched bytes of a file: ``data`` from byte ``offset``; ``nbytes``, its weight in a cache;
+    ``decoded``: a small chunk's pages decoded whole, by their position in ``data``."""
+
+    def __init__(self, offset: int, data: Any):
+        self.offset, self.data, self.nbytes = offset, data, len(data)
+        self.decoded: dict[int, list[tuple[int, Any]]] = {}
+
+
+async def fetch_piece(storage: Storage, url: str, offset: int, length: int) -> Piece:
+    data = await read_buffer(storage, url, offset, length)
+    if len(data) < length:
+        raise OSError(f"{url}: {len(data)} of {length} bytes came back from byte {offset}: the file is "
+                      "shorter than its footer says (truncated, or written again since it was read)")
+    return Piece(offset, data)
+
+
+class RowPages:
+    """What one row needs of the columns read by page: the pieces (by key), the page index,
+    and where the row is (``group``, ``row`` within it)."""
+
+    def __init__(self, group: int, row: int, index: tuple[int, Any], pieces: dict[Any, Piece]):
+        self.group, self.row, self.index, self.pieces = group, row, index, pieces
+
+    def __reduce__(self):  # to a process that decodes what another read: the bytes travel
+        return (RowPages, (self.group, self.row, self.index, self.pieces))
+
+    def leaf_value(self, plan: FilePages, leaf: Leaf) -> tuple[int, Any]:
+        chunk = plan.chunks[self.group][leaf.index]
+        page_at, first = plan.locate(self.index, self.group, self.row, leaf)
+        whole = self.pieces.get((self.group, leaf.index, "chunk"))
+        dictionary = None
+        if whole is not None:  # a small chunk: its page decoded once for every row that comes to it
+            at = page_at - whole.offset
+            decoded = whole.decoded.get(at)
+            if decoded is None:
+                if chunk.dictionary is not None:
+                    dictionary = (whole.data, chunk.dictionary - whole.offset)
+                decoded = whole.decoded[at] = page_values(whole.data, at, chunk.codec, leaf, dictionary)
+            if not 0 <= self.row - first < len(decoded):
+                raise PageError(f"the row is value {self.row - first} of a page of {len(decoded)}")
+            return decoded[self.row - first]
+        page = self.pieces[self.group, leaf.index, self._page(plan, leaf)]
+        found = self.pieces.get((self.group, leaf.index, "dict"))
+        if found is not None:
+            dictionary = (found.data, 0)
+        return leaf_value(page.data, 0, chunk.codec, self.row - first, leaf, dictionary)
+
+    def _page(self, plan: FilePages, leaf: Leaf) -> int:
+        firsts = plan.pages(self.index, self.group, leaf.index)[2]
+        return int(np.searchsorted(firsts, self.row, side="right")) - 1
+
+    def value(self, plan: FilePages, column: str) -> Any:
+        """The row's value of a column read by page."""
+        node = plan.nodes[column]
+        return column_value(node, {leaf.index: self.leaf_value(plan, leaf) for leaf in node.leaves()})
+
+
+class PageReader:
+    """The pages of one dataset's files, fetched and kept in this process: the page index of
+    each file (once) and the pages rows need (bounded by ``max_bytes``)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.pages: RowGroupCache[Piece] = RowGroupCache(max_bytes, 1)
+        self.indexes: RowGroupCache[Piece] = RowGroupCache(1 << 62, 1)  # a file's page index is a few bytes a page: kept
+
+    def __getstate__(self):  # a copy (a spawned worker's) starts empty
+        return {"max_bytes": self.max_bytes}
+
+    def __setstate__(self, state):
+        self.__init__(state["max_bytes"])
+
+    def index_nowait(self, f: int) -> tuple[int, Any] | None:
+        piece = self.indexes.peek(f)
+        return None if piece is None else (piece.offset, piece.data)
+
+    async def index(self, storage: Storage, url: str, f: int, plan: FilePages) -> tuple[int, Any]:
+        span = plan.index_range()
+        if span is None:
+            return 0, b""
+        piece = await self.indexes.get(f, lambda: fetch_piece(storage, url, *span))
+        return piece.offset, piece.data
+
+    def read_nowait(self, f: int, plan: FilePages, group: int, row: int) -> RowPages | None:
+        index = self.index_nowait(f)
+        if index is None:
+            return None
+        pieces = {}
+        for leaf in plan.leaves():
+            for key, _, _ in plan.pieces(index, group, row, leaf):
+                piece = self.pages.peek((f, key))
+                if piece is None:
+                    return None
+                pieces[key] = piece
+        return RowPages(group, row, index, pieces)
+
+    async def read(self, storage: Storage, url: str, f: int, plan: FilePages, group: int, row: int) -> RowPages:
+        index = await self.index(storage, url, f, plan)
+        wanted = {key: (offset, length) for leaf in plan.leaves()
+                  for key, offset, length in plan.pieces(index, group, row, leaf)}
+        pieces = {key: piece for key in wanted if (piece := self.pages.peek((f, key))) is not None}
+        missing = [key for key in wanted if key not in pieces]  # no task for what is held
+        if len(missing) == 1:
+            pieces[missing[0]] = await self._get(storage, url, f, missing[0], *wanted[missing[0]])
+        elif missing:
+            pieces.update(zip(missing, await asyncio.gather(*(self._get(storage, url, f, key, *wanted[key])
+                                                              for key in missing))))
+        for leaf in plan.leaves():  # a page coded against the writer's statistics: its dictionary now
+            chunk = plan.chunks[group][leaf.index]
+            if chunk.dictionary is None or (group, leaf.index, "chunk") in pieces:
+                continue
+            key, offset, length = plan.dictionary(group, leaf.index)
+            page = pieces[next(k for k in wanted if k[1] == leaf.index and k[2] != "dict")]
+            if key not in pieces and needs_dictionary(page.data, 0):
+                pieces[key] = await self._get(storage, url, f, key, offset, length)
+        return RowPages(group, row, index, pieces)
+
+    async def _get(self, storage: Storage, url: str, f: int, key: Any, offset: int, length: int) -> Piece:
+        return await self.pages.get((f, key), lambda: fetch_piece(storage, url, offset, length))
