@@ -30,9 +30,7 @@ def files(samples, tmp_path_factory):
     return write_pyarrow(samples, tmp_path_factory.mktemp("pq") / "pyarrow", per_file=20, row_group_size=6)
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # footers kept in the test's own folder
 
 
 def rows_of(loader) -> list[dict]:

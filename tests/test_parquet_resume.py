@@ -28,9 +28,7 @@ def files(image_root, tmp_path_factory, request):
                          row_group_size=6, **options)
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # footers kept in the test's own folder
 
 
 @contextlib.contextmanager

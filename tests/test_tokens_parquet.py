@@ -19,10 +19,7 @@ from tests.httpserver import Server
 from tests.test_tokens import SEQ, documents, row_ids, rows_of, rows_seen, same_batches, word_level, WORDS
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    """Footers are cached in the test's own folder, not the user's."""
-    monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # footers kept in the test's own folder
 
 
 @pytest.fixture(scope="module")
