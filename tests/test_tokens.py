@@ -248,6 +248,16 @@ def rows_seen(batches, ids) -> list[int]:
     return [ids[tuple(row.tolist())] for b in batches for row in b["input_ids"]]
 
 
+def test_a_dataset_made_under_torch_distributed_counts_every_document_on_every_rank(ranks):
+    docs = documents(n=40, seed=12)
+    alone = aioload.PackedTokens(SplitDocs(docs), SEQ, column="input_ids")
+    for rank in range(2):  # the index pass reads all the documents, not this rank's share
+        ranks(rank, 2)
+        made = aioload.PackedTokens(SplitDocs(docs), SEQ, column="input_ids")
+        assert len(made) == len(alone) and [made.spans(r) for r in range(len(made))] == \
+            [alone.spans(r) for r in range(len(alone))]
+
+
 @pytest.mark.parametrize("drop_last,window", [(False, None), (True, None), (False, 2)])
 def test_ranks_get_equal_rows_and_a_state_resumes_on_another_world_size(ranks, drop_last, window):
     ds = aioload.PackedTokens(Grouped(documents(n=90, seed=7), 8), SEQ, window=window)

@@ -102,7 +102,8 @@ def index_pass(documents: Documents, field: str | None, workers: int) -> np.ndar
     from aioload._loader import DataLoader
 
     counts = Counts(documents, field)
-    with DataLoader(counts, batch_size=PASS_BATCH, shuffle=False, num_workers=workers) as loader:
+    # every document, on every rank: a dataset made under torch.distributed packs all of them
+    with DataLoader(counts, batch_size=PASS_BATCH, shuffle=False, num_workers=workers, shard=False) as loader:
         parts = [batch.numpy() for batch in loader]
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
