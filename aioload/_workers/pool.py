@@ -67,6 +67,9 @@ class WorkerPool:
         self.owner = os.getpid()  # a forked child holds a copy of this object: it must not stop our workers
         self.fetching = cfg.fetch_shards  # window mode's shards are fetched by the workers
         self.fetch_ids = itertools.count()  # over the pool's life: a late answer names no later fetch
+        # the storages fetches were made with, kept for the pool's life: a worker keeps each one
+        # under its id, which no other storage may take while the workers live
+        self.fetch_storages: dict[int, object] = {}
         # Per worker: the task id and dataset index it is on (see _Worker.mark), in a memfd
         # that each worker receives first on its control socket (nothing in /dev/shm).
         self.progress_memory = Segment.create(16 * num_workers, "aioload-progress")
@@ -307,6 +310,7 @@ class PoolSession:
         future = asyncio.get_running_loop().create_future()
         self._fetches[fetch_id] = (wid, future)
         self._fetched.clear()
+        self.pool.fetch_storages.setdefault(id(storage), storage)
         self.send(wid, FetchShard(fetch_id, url, storage, (self.pool.owner, id(storage))))
         return future
 
