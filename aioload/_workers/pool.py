@@ -165,6 +165,7 @@ class WorkerPool:
         # slots still out reach this pool (slot pool -> register), so keeping the error here
         # would keep those batches' shared memory for good.
         self.broken = None
+        self.fetch_storages.clear()
         self.progress.release()
         self.progress_memory.close()
 
