@@ -70,4 +70,4 @@ def test_bodies_received_into_reused_buffers_keep_their_own_bytes(tmp_path):
     assert held_id not in {body_id for _, body_id, _ in seen}  # held all along: never reused
     assert len({body_id for _, body_id, _ in seen}) < len(seen)  # let go of: reused
     gc.collect()
-    assert _scope.open_scopes() == 0 and fd_count() == fds
+    assert _scope.open_scopes() == 0 and fd_count() <= fds  # (an earlier test's may close meanwhile)

@@ -75,7 +75,7 @@ def test_joined_reads_give_each_sample_its_own_bytes_in_order(where, folder, req
         assert asked < len(INDICES)
     del raws
     gc.collect()
-    assert _scope.open_scopes() == 0 and fd_count() == fds
+    assert _scope.open_scopes() == 0 and fd_count() <= fds  # (an earlier test's may close meanwhile)
 
 
 def test_the_loader_delivers_the_same_samples_with_and_without_joined_reads(server, folder):

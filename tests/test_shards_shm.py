@@ -208,7 +208,10 @@ def test_nothing_is_left_after_a_worker_crashes(server):
 
 
 CHILD = textwrap.dedent("""
-    import os, sys, time
+    import os, signal, sys, time
+    # Ctrl-C raises KeyboardInterrupt here even where the suite runs as a background job, whose
+    # children start with SIGINT ignored (and Python then leaves it ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {root!r})
     import aioload
     from tests.shards_data import fingerprint
