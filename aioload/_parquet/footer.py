@@ -16,7 +16,6 @@ file's start, an encrypted footer, a footer pyarrow cannot parse) raises
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ import numpy as np
 
 from aioload._shards import probe
 from aioload._storage.storage import Storage
-from aioload._storage.versioned import VersionedFiles
+from aioload._storage.versioned import VersionedFiles, for_each_file
 
 TAIL = 64 << 10
 """Bytes read from a file's end to find its footer: enough for the footers of files with a few
@@ -209,16 +208,4 @@ async def footer(storage: Storage, url: str, cache: FooterCache | None) -> tuple
 async def footers(storage: Storage, urls: list[str], cache: FooterCache | None,
                   concurrency: int = 32) -> list[tuple[Footer, bool]]:
     """Every file's footer, in the order of ``urls``, ``concurrency`` at a time."""
-    slots = asyncio.Semaphore(concurrency)
-
-    async def one(url: str) -> tuple[Footer, bool]:
-        async with slots:
-            return await footer(storage, url, cache)
-
-    tasks = [asyncio.ensure_future(one(url)) for url in urls]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    return await for_each_file(list(urls), lambda url: footer(storage, url, cache), concurrency)

@@ -49,7 +49,7 @@ from aioload._shards import probe, tar
 from aioload._storage.redact import redact
 from aioload._storage.retry import RemoteReadError
 from aioload._storage.storage import Storage, locate
-from aioload._storage.versioned import VersionedFiles
+from aioload._storage.versioned import VersionedFiles, for_each_file
 
 logger = logging.getLogger("aioload")
 
@@ -391,21 +391,14 @@ class Indexer:
 
     async def all(self, urls: list[str]) -> list[Indexed]:
         """Every shard's index, in the order of ``urls``, ``concurrency`` at a time."""
-        slots, scans = asyncio.Semaphore(self.concurrency), asyncio.Semaphore(self.SCANS)
+        scans = asyncio.Semaphore(self.SCANS)
 
         async def one(url: str) -> Indexed:
-            async with slots:
-                try:
-                    return await self.one(url, scans)
-                except Exception as exc:
-                    if not isinstance(exc, FileNotFoundError) or "does not exist" not in str(exc):
-                        exc.add_note(f"while indexing shard {redact(url)}")
-                    raise
+            try:
+                return await self.one(url, scans)
+            except Exception as exc:
+                if not isinstance(exc, FileNotFoundError) or "does not exist" not in str(exc):
+                    exc.add_note(f"while indexing shard {redact(url)}")
+                raise
 
-        tasks = [asyncio.ensure_future(one(url)) for url in urls]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        return await for_each_file(urls, one, self.concurrency)

@@ -4,17 +4,40 @@ an ETag or mtime), so that what was learnt from it once is not read again: a sha
 
 Each is written whole under a temporary name and renamed, so no reader sees half of one; a
 folder that cannot be written costs the work again next time and a warning, nothing more.
+:func:`for_each_file` learns it for many files at once, all or none.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import Awaitable, Callable, Protocol, TypeVar
+
+T = TypeVar("T")
 
 logger = logging.getLogger("aioload")
+
+
+async def for_each_file(urls: list[str], one: Callable[[str], Awaitable[T]], concurrency: int) -> list[T]:
+    """``one(url)`` for every URL, ``concurrency`` at a time, the results in the order of
+    ``urls``; the first failure cancels the others and is raised once they have all ended (no
+    task outlives the call)."""
+    slots = asyncio.Semaphore(concurrency)
+
+    async def bounded(url: str) -> T:
+        async with slots:
+            return await one(url)
+
+    tasks = [asyncio.ensure_future(bounded(url)) for url in urls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Version(Protocol):
