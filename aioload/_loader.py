@@ -323,8 +323,8 @@ class DataLoader(Generic[_T_co]):
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration runs. It is also passed to ``sampler.set_epoch`` and, at
         the epoch's start, to an ``IterableDataset``'s ``set_epoch`` where it has one (a Hugging
-        Face streaming dataset's, say): each worker's copy gets it, or with ``num_workers=0`` the
-        dataset itself, as Accelerate's loader and the Hugging Face ``Trainer`` do. Epochs count
+        Face streaming dataset's, say): the dataset itself, and each worker's copy that is not
+        at that epoch already, as Accelerate's loader and the Hugging Face ``Trainer`` do. Epochs count
         up by themselves without it (see docs/reproducibility.md)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")

@@ -562,7 +562,12 @@ class Planner:
         return shards.order_seed() if shards is not None else None
 
     def _forward_epoch(self, epoch: int) -> None:
+        """The sampler's ``set_epoch``, and an ``IterableDataset``'s here, in the training
+        process, before any worker's copy looks at its epoch (see
+        :func:`aioload._workers.state.forward_epoch`)."""
         t = self.torch
+        if self.iterable:
+            _stateful.forward_epoch(t.dataset, epoch)
         for target in (t.sampler, getattr(t.batch_sampler, "sampler", None)):
             if target is not None and hasattr(target, "set_epoch"):
                 target.set_epoch(epoch)

@@ -44,9 +44,9 @@ import warnings
 
 from aioload._resume import ResumeError, ResumeWarning
 from aioload._workers.messages import CopyNote, ResumeCopy
-from aioload._workers.state import drops_buffered_rows, is_stateful, load_dataset_state
+from aioload._workers.state import drops_buffered_rows, forward_epoch, is_stateful, load_dataset_state
 
-__all__ = ["Copies", "FastForwardWarning", "check", "drops_buffered_rows", "initial_entry", "is_stateful",
+__all__ = ["Copies", "FastForwardWarning", "check", "drops_buffered_rows", "forward_epoch", "initial_entry", "is_stateful",
            "load_dataset_state", "resume_plan"]
 
 

@@ -3,6 +3,8 @@ method can import them): streams split unevenly between workers, with and withou
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -157,6 +159,30 @@ class Epoched(torch.utils.data.IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.epochs.append(epoch)
+
+    def __iter__(self):
+        return iter([(item, self.epoch) for item in worker_slice(self.sizes)])
+
+
+class SharedEpoch(torch.utils.data.IterableDataset):
+    """Like :class:`Epoched`, with the epoch a Hugging Face streaming dataset keeps: a tensor in
+    shared memory (the training process's dataset and every worker's copy share it) that
+    ``set_epoch`` moves by adding the difference in place. The pause between the read and the
+    add widens the window in which two copies setting it at once both add."""
+
+    def __init__(self, sizes: list[int], pause: float = 0.2):
+        self.sizes = sizes
+        self.pause = pause
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        step = epoch - int(self._epoch)
+        time.sleep(self.pause)
+        self._epoch += step
 
     def __iter__(self):
         return iter([(item, self.epoch) for item in worker_slice(self.sizes)])

@@ -314,8 +314,21 @@ def test_each_epochs_copies_get_set_epoch_with_the_loaders_epoch(num_workers, pe
         loader.set_epoch(5)
         epochs = [{epoch for b in loader for _, epoch in b} for _ in range(2)]
     assert epochs == [{5}, {6}]
-    if num_workers == 0:
-        assert dataset.epochs == [5, 6]  # the dataset itself, once each epoch
+    assert dataset.epochs == [5, 6]  # the dataset itself (in the training process), once each epoch
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
+def test_copies_sharing_their_epoch_do_not_each_add_it(persistent):
+    # A Hugging Face streaming dataset's epoch is a tensor in shared memory that set_epoch moves
+    # by an in-place add: three copies setting it at once made epoch 1 into 2 or 3 (another
+    # shuffle of its files in an unshuffled stream).
+    from tests.stateful_data import SharedEpoch
+
+    dataset = SharedEpoch([2, 2, 2])
+    with make(dataset, num_workers=3, persistent_workers=persistent) as loader:
+        epochs = [sorted({epoch for b in loader for _, epoch in b}) for _ in range(3)]
+    assert epochs == [[0], [1], [2]]
+    assert dataset.epoch == 2
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

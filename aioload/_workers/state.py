@@ -75,10 +75,22 @@ def drops_buffered_rows(obj) -> bool:
 
 
 def forward_epoch(dataset, epoch: int) -> None:
-    """``dataset.set_epoch(epoch)`` where the copy has a callable ``set_epoch``."""
+    """``dataset.set_epoch(epoch)`` where the copy has a callable ``set_epoch``, unless its
+    ``epoch`` says it is there already.
+
+    A Hugging Face streaming dataset keeps its epoch in a tensor in shared memory, shared by the
+    training process's dataset and every worker's copy, and its ``set_epoch`` adds the
+    difference in place (``_epoch += epoch - _epoch``): two workers setting the same epoch at
+    once could both add it (epoch 1 became 2, another shuffle of its files). The training
+    process sets it first (:meth:`aioload._sampling.Planner.plan`), so a copy that shares it
+    finds it set and leaves it; a copy of its own gets it here."""
     set_epoch = getattr(dataset, "set_epoch", None)
-    if callable(set_epoch):
-        set_epoch(epoch)
+    if not callable(set_epoch):
+        return
+    current = getattr(dataset, "epoch", None)
+    if isinstance(current, int) and not isinstance(current, bool) and current == epoch:
+        return
+    set_epoch(epoch)
 
 
 def record(worker_id: int, dataset, iterator, ended: bool) -> dict:
