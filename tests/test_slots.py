@@ -244,10 +244,15 @@ def test_a_pinned_slot_is_reused_only_after_the_copy_out_of_it_finished(monkeypa
     assert second.id != first.id, "a slot whose copy is pending was handed out again"
     copies[0].done = True
     pool.release(second)  # its own copy is still queued: it cools in turn
-    assert acquire().id == first.id, "the slot whose copy finished is the one handed out again"
-    assert acquire().id not in (first.id, second.id), "a slot whose copy is pending was handed out"
+    third = acquire()
+    assert third.id == first.id, "the slot whose copy finished is the one handed out again"
+    fourth = acquire()
+    assert fourth.id not in (first.id, second.id), "a slot whose copy is pending was handed out"
     assert not copies[0].waited and not copies[1].waited, "a pool with room must not wait for the device"
     pool.close()
+    for slot in (third, fourth):  # the consumer's, released after the close: unmapped then
+        pool.release(slot)
+    assert pool.live == 0
 
 
 def test_a_pool_with_every_slot_cooling_waits_for_the_oldest_copy(monkeypatch):
@@ -262,3 +267,5 @@ def test_a_pool_with_every_slot_cooling_waits_for_the_oldest_copy(monkeypatch):
     pool.close()
     assert copies[1].waited, "close() unmapped a slot a copy was still reading"
     assert pool.live == 1  # the slot still out is the consumer's until it is released
+    pool.release(again)
+    assert pool.live == 0
