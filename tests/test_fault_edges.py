@@ -15,6 +15,7 @@ import re
 import signal
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -87,6 +88,50 @@ def test_a_multiprocessing_child_that_used_a_loader_exits(tmp_path, method, targ
         if child.pid is not None:
             child.join(10)
         for pid in workers:  # a worker stuck in decode-hang outlives a killed child
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        ours.close()
+
+
+def _hang_in_decode(root, flag, method, conn) -> None:
+    """Iterate a loader (workers started by ``method``) whose worker hangs decoding sample 0,
+    from a thread; report the workers once the hang began (its flag file is gone), then wait."""
+    loader = aioload.DataLoader(FaultyMapDataset(root, N, {0: "decode-hang"}, once=flag), batch_size=4,
+                                num_workers=2, multiprocessing_context=method)
+    threading.Thread(target=lambda: next(iter(loader)), daemon=True).start()
+    deadline = time.monotonic() + HANG_GUARD
+    while os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    conn.send(_worker_pids())
+    time.sleep(3600)
+
+
+@pytest.mark.timeout(3 * HANG_GUARD)
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_a_worker_stuck_in_decode_ends_with_a_killed_training_process(tmp_path, method):
+    # SIGKILL leaves no time to stop the workers; one that waits on its socket sees it close, but
+    # one blocked in a decode that never returns must notice its training process is gone too.
+    write_samples(tmp_path, N)
+    flag = tmp_path / "hang-once"
+    flag.touch()
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_hang_in_decode, args=(str(tmp_path), str(flag), method, theirs))
+    workers: list[int] = []
+    try:
+        child.start()
+        theirs.close()
+        assert ours.poll(HANG_GUARD), "the child never reported its workers"
+        workers = ours.recv()
+        assert len(workers) == 2 and not flag.exists(), "no worker began the decode that hangs"
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(HANG_GUARD)
+        wait_until(lambda: all(gone(pid) for pid in workers), 10, "the workers of a killed process to exit")
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+        for pid in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         ours.close()

@@ -1,24 +1,24 @@
 """The bench's HTTP server: files under ROOT on 127.0.0.1, each GET answered after a round trip.
 
-Run as a script (``python benchserver.py ROOT --latency-ms 20``), in its own process, so that
-it shares no GIL with the loaders being measured; it imports only the standard library (and
-uvloop where installed). One asyncio loop serves every connection: each request is answered
-a round trip after it arrived (a timer, not a sleeping thread), so concurrent requests
-overlap as they do against a remote store, while the server spends little of the CPUs the
-loaders share with it (a thread per connection, as ``http.server`` runs them, took about
-0.12 CPUs of this 2-CPU machine). Bodies are read from the file as they are sent, never
-faster than the client takes them. Only the files found under ROOT at start are served (no
-path outside it can be asked for, and a symlink under ROOT that leads outside it is not
-served). The process exits on SIGTERM or Ctrl-C, when its parent process dies (even by
-SIGKILL; whichever of its threads started the server), and after ``--max-seconds``.
+Run as a script (``python benchserver.py ROOT --latency-ms 20``), in its own process, so that it
+shares no GIL with the loaders being measured; it imports only the standard library,
+:mod:`aioload._parent` (which does too) and uvloop where installed. One asyncio loop serves
+every connection: each request is answered a round trip after it arrived (a timer, not a
+sleeping thread), so concurrent requests overlap as they do against a remote store, while the
+server spends little of the CPUs the loaders share with it (a thread per connection, as
+``http.server`` runs them, took about 0.12 CPUs of this 2-CPU machine). Bodies are read from the
+file as they are sent, never faster than the client takes them. Only the files found under ROOT
+at start are served (no path outside it can be asked for, and a symlink under ROOT that leads
+outside it is not served). The process exits on SIGTERM or Ctrl-C, when its parent process dies
+(even by SIGKILL; whichever of its threads started the server), and after ``--max-seconds``.
 
-``Range: bytes=a-b`` is answered ``206`` with that part (as object stores do), ``HEAD`` with
-the headers alone; ``--mb-per-s`` paces each response's body to that rate (a store's
-per-connection bandwidth; 0, the default: as fast as the socket takes it). ``GET
-/__requests__`` answers how many requests for files it has had (for requests per sample),
-``GET /__cpu__`` the CPU seconds this process has used so far (every thread: the bench takes
-the difference over its measured interval, the share of the CPUs the server took from the
-loaders it shares them with). Neither is counted as a request.
+``Range: bytes=a-b`` is answered ``206`` with that part (as object stores do), ``HEAD`` with the
+headers alone; ``--mb-per-s`` paces each response's body to that rate (a store's per-connection
+bandwidth; 0, the default: as fast as the socket takes it). ``GET /__requests__`` answers how
+many requests for files it has had (for requests per sample), ``GET /__cpu__`` the CPU seconds
+this process has used so far (every thread: the bench takes the difference over its measured
+interval, the share of the CPUs the server took from the loaders it shares them with). Neither
+is counted as a request.
 """
 
 from __future__ import annotations
@@ -27,38 +27,21 @@ import argparse
 import asyncio
 import os
 import re
-import select
 import signal
-import threading
 import time
 from http import HTTPStatus
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from aioload._parent import exit_with
+
+
 def die_with_parent(parent: int) -> None:
-    """End this process when the process ``parent`` dies, even by SIGKILL.
-
-    Not ``prctl(PR_SET_PDEATHSIG)``: the kernel sends that signal when the *thread* that
-    started this process ends, so a server started from a short-lived thread died with the
-    thread. A thread here waits on the parent process itself instead: a pidfd, which becomes
-    readable when that process (all of its threads) has exited (Linux >= 5.3), else a poll of
-    ``os.getppid()``, which changes only when the parent process is gone."""
-    try:
-        pidfd = os.pidfd_open(parent)
-    except (AttributeError, OSError):  # not Linux >= 5.3, or the parent is already gone
-        pidfd = None
-    if os.getppid() != parent:  # it died before the watch began
+    """End this process when the process ``parent`` dies, even by SIGKILL
+    (:func:`aioload._parent.exit_with`)."""
+    if os.getppid() != parent:  # it died before the watch began (its pid may be taken again)
         os._exit(1)
-
-    def watch() -> None:
-        if pidfd is not None:
-            select.select([pidfd], [], [])
-        else:
-            while os.getppid() == parent:
-                time.sleep(0.2)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    exit_with(parent, "parent-watch")
 
 
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")

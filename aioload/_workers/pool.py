@@ -88,7 +88,7 @@ class WorkerPool:
                 inherited = tuple(others + self.socks + self.ctrls + [parent, cparent]) if forking else ()
                 proc = context.Process(
                     target=worker_main,
-                    args=(wid, cfg, child, cchild, inherited),
+                    args=(wid, cfg, child, cchild, inherited, os.getpid()),
                     name=f"aioload-worker-{wid}",
                 )
                 try:

@@ -23,6 +23,7 @@ import torch.utils.data._utils.worker as torch_worker
 from aioload._workers import wire as _wire
 from aioload._errors import pack_exception
 from aioload._handoff.chunks import ChunkWriter
+from aioload._parent import exit_with
 from aioload._handoff.layout import Layout
 from aioload._handoff.writers import RowWriter, SlotWriter, column_views
 from aioload._workers.messages import (BatchOut, CancelReads, ChunkOut, Done, DropSlots, Fetched, FetchShard,
@@ -491,8 +492,11 @@ def _receive_progress(ctrl):
     return memory, memoryview(memory.map).cast("q")
 
 
-def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=()) -> None:
-    """Entry point of a worker process."""
+def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=(), parent: int | None = None) -> None:
+    """Entry point of a worker process; ``parent``: the loader's process, which it never outlives
+    (:func:`aioload._parent.exit_with`: a worker stuck in a decode would not see its socket close)."""
+    if parent is not None:
+        exit_with(parent)
     # A forked worker inherits the parent's ends of its siblings' sockets: close them, so
     # that each socket reports end-of-stream as soon as its real peer is gone.
     for other in inherited:
