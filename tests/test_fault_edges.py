@@ -61,6 +61,32 @@ def _return_mid_epoch(root, conn) -> None:
     conn.send(_worker_pids())
 
 
+@contextlib.contextmanager
+def _loader_child(method: str, target, *args):
+    """A multiprocessing child (started by ``method``) running ``target(*args, conn)``, which
+    sends its loader's worker pids on ``conn``: yields the child and those pids. The child is
+    killed in the end, and its workers with it, whatever the test found."""
+    ctx = multiprocessing.get_context(method)
+    ours, theirs = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=target, args=(*args, theirs))
+    workers: list[int] = []
+    try:
+        child.start()
+        theirs.close()
+        assert ours.poll(HANG_GUARD), "the child never reported its workers"
+        workers += ours.recv()
+        yield child, workers
+    finally:
+        if child.is_alive():
+            child.kill()
+        if child.pid is not None:
+            child.join(10)
+        for pid in workers:  # what a failed test left running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        ours.close()
+
+
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 @pytest.mark.parametrize("target, exitcode", [(_stall_then_raise, 1), (_return_mid_epoch, 0)],
                          ids=["raises", "returns-mid-epoch"])
@@ -68,29 +94,12 @@ def test_a_multiprocessing_child_that_used_a_loader_exits(tmp_path, method, targ
     """A multiprocessing child runs no ``atexit`` hook and joins its children before exiting:
     the loader's workers must be stopped by then, or the child never exits."""
     write_samples(tmp_path, N)
-    ctx = multiprocessing.get_context(method)
-    ours, theirs = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=target, args=(str(tmp_path), theirs))
-    workers: list[int] = []
-    try:
-        child.start()
-        theirs.close()
-        assert ours.poll(HANG_GUARD), "the child never reported its workers"
-        workers = ours.recv()
+    with _loader_child(method, target, str(tmp_path)) as (child, workers):
         assert len(workers) == 2
         child.join(HANG_GUARD)
         assert not child.is_alive(), f"the child was still alive {HANG_GUARD} s after its loader finished"
         assert child.exitcode == exitcode
         wait_until(lambda: all(gone(pid) for pid in workers), 10, "the child's workers to exit")
-    finally:
-        if child.is_alive():
-            child.kill()
-        if child.pid is not None:
-            child.join(10)
-        for pid in workers:  # a worker stuck in decode-hang outlives a killed child
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        ours.close()
 
 
 def _hang_in_decode(root, flag, method, conn) -> None:
@@ -114,27 +123,11 @@ def test_a_worker_stuck_in_decode_ends_with_a_killed_training_process(tmp_path, 
     write_samples(tmp_path, N)
     flag = tmp_path / "hang-once"
     flag.touch()
-    ctx = multiprocessing.get_context("fork")
-    ours, theirs = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_hang_in_decode, args=(str(tmp_path), str(flag), method, theirs))
-    workers: list[int] = []
-    try:
-        child.start()
-        theirs.close()
-        assert ours.poll(HANG_GUARD), "the child never reported its workers"
-        workers = ours.recv()
+    with _loader_child("fork", _hang_in_decode, str(tmp_path), str(flag), method) as (child, workers):
         assert len(workers) == 2 and not flag.exists(), "no worker began the decode that hangs"
         os.kill(child.pid, signal.SIGKILL)
         child.join(HANG_GUARD)
         wait_until(lambda: all(gone(pid) for pid in workers), 10, "the workers of a killed process to exit")
-    finally:
-        if child.is_alive():
-            child.kill()
-            child.join(10)
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        ours.close()
 
 
 # -- aioload's errors across process boundaries ------------------------------------------------
