@@ -48,10 +48,16 @@ DECODE_FAULTS = frozenset({
 
 
 class StrictError(Exception):
-    """Like many library exceptions, it cannot be rebuilt from its ``args`` when unpickled."""
+    """Like many library exceptions, it cannot be rebuilt from its ``args`` when unpickled. Its
+    ``__reduce__`` says to rebuild it so, as a library's own may: a process-wide pickling helper
+    (``tblib.pickling_support.install()``, which importing Dask's ``distributed`` runs) would
+    otherwise rebuild it without ``__init__``, depending on which modules were imported first."""
 
     def __init__(self, index: int, *, reason: str):
         super().__init__(f"sample {index} rejected: {reason}")
+
+    def __reduce__(self):
+        return type(self), self.args
 
 
 def sample_path(root, index: int) -> str:
