@@ -123,7 +123,9 @@ def test_a_worker_stuck_in_decode_ends_with_a_killed_training_process(tmp_path, 
     write_samples(tmp_path, N)
     flag = tmp_path / "hang-once"
     flag.touch()
-    with _loader_child("fork", _hang_in_decode, str(tmp_path), str(flag), method) as (child, workers):
+    # a spawned child: a forked one would inherit this process's forkserver state (and any lock
+    # another thread held at the fork), and its forkserver loader could hang before it starts
+    with _loader_child("spawn", _hang_in_decode, str(tmp_path), str(flag), method) as (child, workers):
         assert len(workers) == 2 and not flag.exists(), "no worker began the decode that hangs"
         os.kill(child.pid, signal.SIGKILL)
         child.join(HANG_GUARD)
