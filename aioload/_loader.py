@@ -324,8 +324,8 @@ class DataLoader(Generic[_T_co]):
         """The epoch the next iteration runs. It is also passed to ``sampler.set_epoch`` and, at
         the epoch's start, to an ``IterableDataset``'s ``set_epoch`` where it has one (a Hugging
         Face streaming dataset's, say): the dataset itself, and each worker's copy that is not
-        at that epoch already, as Accelerate's loader and the Hugging Face ``Trainer`` do. Epochs count
-        up by themselves without it (see docs/reproducibility.md)."""
+        at that epoch already, as Accelerate's loader and the Hugging Face ``Trainer`` do.
+        Epochs count up by themselves without it (see docs/reproducibility.md)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         self._next_epoch = epoch

@@ -46,8 +46,8 @@ from aioload._resume import ResumeError, ResumeWarning
 from aioload._workers.messages import CopyNote, ResumeCopy
 from aioload._workers.state import drops_buffered_rows, forward_epoch, is_stateful, load_dataset_state
 
-__all__ = ["Copies", "FastForwardWarning", "check", "drops_buffered_rows", "forward_epoch", "initial_entry", "is_stateful",
-           "load_dataset_state", "resume_plan"]
+__all__ = ["Copies", "FastForwardWarning", "check", "drops_buffered_rows", "forward_epoch", "initial_entry",
+           "is_stateful", "load_dataset_state", "resume_plan"]
 
 
 class FastForwardWarning(ResumeWarning):
