@@ -1,9 +1,12 @@
-"""Image datasets and decoding: JPEG/PNG bytes to uint8 ``C, H, W`` tensors in the workers.
+"""Image datasets and decoding: image bytes to uint8 ``C, H, W`` tensors in the workers.
 
-Decoding uses torchcodec's image decoders (libjpeg-turbo, libpng, libwebp; no FFmpeg needed)
-where torchcodec is installed and torch is 2.11 or newer, and torchvision's decoding operator
+JPEG, PNG, WebP and GIF (and AVIF and HEIC where the decoder has them) are decoded by
+torchcodec's image decoders (libjpeg-turbo, libpng, libwebp; no FFmpeg needed) where
+torchcodec is installed and torch is 2.11 or newer, and by torchvision's decoding operator
 otherwise (torchvision 0.29 deprecates its image decoding in favour of torchcodec's; the two
-give bit-identical images at the same speed). When ``decode_size`` says the transform only
+give bit-identical images at the same speed). Every other format Pillow reads (BMP, TIFF,
+PPM/PGM, TGA, ICO, ...: the rest of torchvision's ``ImageFolder`` extensions) is decoded by
+Pillow, converted to RGB as torchvision's ``ImageFolder`` loader does. When ``decode_size`` says the transform only
 needs a much smaller image, JPEGs are decoded at 1/2, 1/4 or 1/8 scale in the DCT domain
 (Pillow's ``draft``), which is several times cheaper than decoding at full size and resizing.
 Images stay uint8 until the device, where :class:`aioload.transforms.Normalize` converts them.
@@ -37,6 +40,9 @@ from aioload._storage.storage import Storage, locate, read_bytes_blocking
 __all__ = ["ImageFiles", "ImageFolder", "decode_image"]
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
+_FAST_MAGIC = (_JPEG_MAGIC, b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a")
+"""How the formats the fast decoders take begin (WebP, AVIF and HEIC are told by
+:func:`_fast_format`); every other image goes to Pillow."""
 
 
 def decode_image(data: bytes | bytearray | memoryview, size: tuple[int, int] | None = None) -> torch.Tensor:
@@ -50,8 +56,34 @@ def decode_image(data: bytes | bytearray | memoryview, size: tuple[int, int] | N
         reduced = _decode_jpeg_reduced(data, size)
         if reduced is not None:
             return reduced
+    if not jpeg and not _fast_format(data):
+        return _decode_pillow(data)
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return _decode_rgb(buf, jpeg)
+
+
+def _fast_format(data) -> bool:
+    """Whether torchcodec's (or torchvision's) decoder takes these bytes: JPEG, PNG, GIF, WebP
+    (``RIFF....WEBP``), AVIF and HEIC (an ISO media ``ftyp`` box)."""
+    head = bytes(data[:12])
+    return (head.startswith(_FAST_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
+            or head[4:8] == b"ftyp")
+
+
+def _decode_pillow(data) -> torch.Tensor:
+    """An image in a format the fast decoders do not take (BMP, TIFF, PPM, ...), decoded by
+    Pillow and converted to RGB, as torchvision's ``ImageFolder`` loader does."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            arr = np.asarray(im.convert("RGB"))
+    except UnidentifiedImageError:
+        raise RuntimeError(
+            f"not an image format aioload decodes (it begins {bytes(data[:8])!r}): JPEG, PNG, WebP, GIF and "
+            "every format Pillow reads (BMP, TIFF, PPM, ...) are; convert the file to one of them, or pass "
+            "is_valid_file= to leave such files out") from None
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
 
 
 _TORCHCODEC: Any = None  # torchcodec.decoders, False where it cannot be used, None until looked for
@@ -264,6 +296,9 @@ class ImageFolder(_Images):
     A sample is ``(image, target)`` where ``image`` is a uint8 ``(3, H, W)`` tensor (RGB), so
     ``torchvision.transforms.v2`` pipelines apply directly. ``decode_size=(h, w)``: the
     smallest image the transform needs, which lets large JPEGs decode at reduced scale.
+    Every file listed is decoded: JPEG, PNG, WebP and GIF by torchcodec's (or torchvision's)
+    decoder, every other format Pillow reads (BMP, TIFF, PPM, PGM, ...) by Pillow, converted
+    to RGB as torchvision's loader does.
 
     ``root`` may also be an fsspec URL whose filesystem can list (``s3://bucket/train``,
     ``gs://...``, ``memory://...``; options in ``storage=Storage(storage_options=...)``).

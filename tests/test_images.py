@@ -114,3 +114,57 @@ def test_local_files_are_read_where_it_is_cheapest(image_root):
 def test_read_in_is_validated(image_root):
     with pytest.raises(ValueError, match="^read_in must be 'auto', 'loop' or 'worker', got 'gpu'$"):
         aioload.ImageFolder(image_root, read_in="gpu")
+
+
+PIL_FORMATS = {".bmp": "BMP", ".tif": "TIFF", ".tiff": "TIFF", ".ppm": "PPM", ".pgm": "PPM", ".png": "PNG",
+               ".webp": "WEBP", ".jpg": "JPEG"}
+"""An image of each extension torchvision's ImageFolder lists (``IMG_EXTENSIONS``), as Pillow writes it."""
+
+
+@pytest.mark.parametrize("fmt", ["BMP", "TIFF", "PPM", "TGA", "GIF", "PNG", "WEBP"])
+def test_decode_image_reads_what_pillow_reads(fmt):
+    pixels = np.random.default_rng(1).integers(0, 256, (31, 45, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    with Image.open(io.BytesIO(out.getvalue())) as im:
+        expected = torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1)
+    assert torch.equal(decode_image(out.getvalue()), expected)
+
+
+def test_imagefolder_decodes_every_format_it_lists_as_pillow_does(tmp_path):
+    # torchvision's ImageFolder lists these extensions and reads them with PIL; so does ours,
+    # whose workers decode JPEG/PNG/WebP/GIF with torchcodec and the rest with Pillow
+    rng = np.random.default_rng(7)
+    for k, (ext, fmt) in enumerate(PIL_FORMATS.items()):
+        folder = tmp_path / ("gray" if ext == ".pgm" else "color")
+        folder.mkdir(exist_ok=True)
+        pixels = rng.integers(0, 256, (24, 40, 3), dtype=np.uint8)
+        image = Image.fromarray(pixels).convert("L") if ext == ".pgm" else Image.fromarray(pixels)
+        image.save(folder / f"{k}{ext}", fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    theirs = torchvision.datasets.ImageFolder(str(tmp_path))
+    ours = aioload.ImageFolder(tmp_path)
+    assert ours.samples == theirs.samples and len(ours) == len(PIL_FORMATS)
+    with aioload.DataLoader(ours, batch_size=len(ours), num_workers=2) as loader:
+        (images, targets), = list(loader)
+    for i, (path, target) in enumerate(theirs.samples):
+        pil, _ = theirs[i]
+        expected = torch.from_numpy(np.array(pil)).permute(2, 0, 1)
+        assert int(targets[i]) == target
+        assert torch.equal(images[i], expected), path
+
+
+def test_bytes_no_decoder_reads_raise_an_error_naming_the_file(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "fine.png").write_bytes(_png())
+    (tmp_path / "a" / "notes.bmp").write_bytes(b"these are notes, not a bitmap")
+    dataset = aioload.ImageFolder(tmp_path)
+    with aioload.DataLoader(dataset, batch_size=1, num_workers=1) as loader:
+        with pytest.raises(RuntimeError, match="not an image format aioload decodes") as info:
+            list(loader)
+    assert "notes.bmp" in "".join(getattr(info.value, "__notes__", [])) + str(info.value)
+
+
+def _png() -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.zeros((4, 4, 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
