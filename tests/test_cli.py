@@ -66,6 +66,28 @@ def test_make_data_refuses_other_classes_or_seed_in_a_folder_made_before(tmp_pat
     assert jpegs(target) == before
 
 
+# -- bench --------------------------------------------------------------------------------------
+LAYOUT = "class folders of images (DIR/CLASS/IMAGE.jpg, as ImageFolder reads them)"
+
+
+def test_bench_on_a_missing_or_wrong_folder_is_one_line_naming_it(tmp_path):
+    missing = tmp_path / "nope"
+    err = one_line_error(aioload_cli("bench", "--data", str(missing), cache=tmp_path))
+    assert err == (f"error: aioload bench: --data {missing} is not a folder: give it {LAYOUT}, or leave --data out "
+                   "for generated JPEGs\n")
+    parquet = tmp_path / "pq"
+    parquet.mkdir()
+    (parquet / "train-0.parquet").write_bytes(b"PAR1")
+    err = one_line_error(aioload_cli("bench", "--data", str(parquet), cache=tmp_path))
+    assert err == (f"error: aioload bench: --data {parquet} holds Parquet files, and aioload bench reads {LAYOUT}; "
+                   "python benchmarks/parquet.py measures Parquet, or aioload make-data DIR writes a folder to "
+                   "measure\n")
+    (tmp_path / "empty" / "cat").mkdir(parents=True)
+    err = one_line_error(aioload_cli("bench", "--data", str(tmp_path / "empty"), cache=tmp_path))
+    assert err.startswith(f"error: aioload bench: --data {tmp_path / 'empty'}: found no valid file for the classes "
+                          "cat. Supported extensions are: .jpg") and err.endswith(f"; aioload bench reads {LAYOUT}\n")
+
+
 # -- make-shards --------------------------------------------------------------------------------
 def test_make_shards_from_a_missing_folder_is_one_line_naming_it(tmp_path):
     err = one_line_error(aioload_cli("make-shards", str(tmp_path / "nope"), str(tmp_path / "out"), cache=tmp_path))

@@ -94,13 +94,23 @@ def _measure(key: str, title: str, dataset, args, rounds_ceiling=None) -> Scenar
     return Scenario(key, title, comparison, args.workers, ceilings)
 
 
-def _run_scenarios(args, root: str) -> list[Scenario] | int:
+def _local_images(root: str):
+    """The bench's dataset over ``root``, or ``None`` after one line saying what is wrong with it."""
+    from aioload._tools.bench import BenchImages, rrc_flip
+
+    try:
+        return BenchImages(root, rrc_flip())
+    except FileNotFoundError as exc:  # torchvision's find_classes or make_dataset: no folder, no classes, no images
+        print(f"error: aioload bench: {_data_problem(root, exc)}", file=sys.stderr)
+        return None
+
+
+def _run_scenarios(args, root: str, local) -> list[Scenario] | int:
     from aioload._tools import bench as _bench
-    from aioload._tools.bench import BenchImages, ceiling, rrc_flip
+    from aioload._tools.bench import ceiling
     from aioload._tools.benchhttp import HttpImages, Server
 
-    transform = rrc_flip()
-    local = BenchImages(root, transform)
+    transform = local.transform
     n = len(local)
     if n < args.batch_size * 2:
         print(f"error: {root} has {n} images; need at least {2 * args.batch_size} for batch size "
@@ -127,6 +137,21 @@ def _run_scenarios(args, root: str) -> list[Scenario] | int:
             finally:
                 _bench.EXCLUDED_PIDS.discard(server.proc.pid)
     return done
+
+
+DATA_LAYOUT = "class folders of images (DIR/CLASS/IMAGE.jpg, as ImageFolder reads them)"
+
+
+def _data_problem(root: str, exc: FileNotFoundError) -> str:
+    """What is wrong with ``--data root``, and the fix, in one line."""
+    if not os.path.isdir(root):
+        return f"--data {root} is not a folder: give it {DATA_LAYOUT}, or leave --data out for generated JPEGs"
+    names = os.listdir(root)
+    if any(name.endswith(".parquet") for name in names):
+        return (f"--data {root} holds Parquet files, and aioload bench reads {DATA_LAYOUT}; "
+                "python benchmarks/parquet.py measures Parquet, or aioload make-data DIR writes a folder to measure")
+    found = str(exc).rstrip(".")
+    return f"--data {root}: {found[0].lower()}{found[1:]}; aioload bench reads {DATA_LAYOUT}"
 
 
 ROWS = [  # label, Run attribute, format, what a zero reads as (None: the number)
@@ -266,9 +291,12 @@ def bench(args: argparse.Namespace) -> int:
             print(f"error: {problem}", file=sys.stderr)
             return 2
     run, started = environment(), time.monotonic()  # its time stamp: the start
-    print(f"run: {run}", flush=True)
     root = _data(args)
-    scenarios = _run_scenarios(args, root)
+    local = _local_images(root)
+    if local is None:
+        return 2
+    print(f"run: {run}", flush=True)
+    scenarios = _run_scenarios(args, root, local)
     if isinstance(scenarios, int):
         return scenarios
     print()
