@@ -140,6 +140,10 @@ class DataLoader(Generic[_T_co]):
       process spends no CPU on reads (see ``docs/architecture.md``), unless the dataset's
       ``read_in_workers`` says no. ``False``: on the loader's event loop in the training
       process. ``True``: in the workers.
+    * ``snapshot_every_n_steps`` -- torchdata's ``StatefulDataLoader`` argument, accepted so that
+      code written for it runs unchanged (an int >= 1, or ``None``). It changes nothing:
+      every batch is a snapshot, ``state_dict()`` is exact after any batch (see
+      ``docs/migration.md``).
     """
 
     def __init__(self, dataset: torch.utils.data.Dataset[_T_co],
@@ -153,7 +157,7 @@ class DataLoader(Generic[_T_co]):
                  read_timeout: float | None = None,
                  log_every: float | None = None, progress: bool = False, shard: bool = True,
                  executor: concurrent.futures.Executor | None = None, read_on_executor: bool = True,
-                 read_in_workers: bool | None = None):
+                 read_in_workers: bool | None = None, snapshot_every_n_steps: int | None = 1):
         extra: dict[str, Any] = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
         if pin_memory_device:
             extra["pin_memory_device"] = pin_memory_device
@@ -187,6 +191,7 @@ class DataLoader(Generic[_T_co]):
         if not is_auto(queue_depth):
             _positive_int("queue_depth", queue_depth, allow_none=True)
         check_options(log_every, progress)
+        _positive_int("snapshot_every_n_steps", snapshot_every_n_steps, allow_none=True)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         if on_error not in ("raise", "skip"):
@@ -250,6 +255,7 @@ class DataLoader(Generic[_T_co]):
         if read_in_workers is not None and not isinstance(read_in_workers, bool):
             raise TypeError(f"read_in_workers must be True, False or None, got {read_in_workers!r}")
         self.read_in_workers = read_in_workers
+        self.snapshot_every_n_steps = snapshot_every_n_steps  # torchdata's; every batch is a snapshot here
         if executor is not None:
             self._res.executor = _executor.ExecutorStage(executor, dataset, self._torch.collate_fn, self._split,
                                                          read_here=read_on_executor, worker_init_fn=worker_init_fn)

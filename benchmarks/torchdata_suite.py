@@ -5,8 +5,8 @@
 ``PATH`` is a checkout of meta-pytorch/data (a directory holding
 ``test/stateful_dataloader/test_state_dict.py``). The file is run as it is, unmodified and
 uncopied: this script imports it from the checkout with one substitution, the name
-``StatefulDataLoader`` it imports from ``torchdata.stateful_dataloader`` bound to a subclass of
-``aioload.DataLoader`` that only accepts (and ignores) ``snapshot_every_n_steps``: aioload
+``StatefulDataLoader`` it imports from ``torchdata.stateful_dataloader`` bound to
+``aioload.DataLoader``, which accepts ``snapshot_every_n_steps`` and needs it not: aioload
 captures every worker's state with every batch, so every step is a snapshot. ``Stateful`` is
 torchdata's own (the package is in the ``test`` extra), or an equivalent protocol without it.
 
@@ -39,16 +39,11 @@ def _stateful_module() -> types.ModuleType:
 
             def load_state_dict(self, state_dict: dict) -> None: ...
 
-    class StatefulDataLoader(aioload.DataLoader):
-        """aioload's loader under torchdata's name: ``snapshot_every_n_steps`` is accepted and
-        ignored (every batch carries its workers' states)."""
-
-        def __init__(self, *args, snapshot_every_n_steps: int | None = 1, **kwargs):
-            super().__init__(*args, **kwargs)
-
     module = types.ModuleType("torchdata.stateful_dataloader")
     module.Stateful = Stateful
-    module.StatefulDataLoader = StatefulDataLoader
+    # aioload's loader under torchdata's name: it takes snapshot_every_n_steps (every batch
+    # carries its workers' states, so the argument changes nothing)
+    module.StatefulDataLoader = aioload.DataLoader
     return module
 
 

@@ -78,6 +78,19 @@ def test_every_step_is_a_snapshot_however_far_the_workers_ran_ahead():
         assert records[f"worker_{int(wid)}"]["dataset_state"]["position"] == last - 50 * wid + 1
 
 
+def test_torchdatas_snapshot_every_n_steps_is_accepted_and_every_step_is_still_a_snapshot():
+    # code written for torchdata's StatefulDataLoader passes it; aioload snapshots every batch anyway
+    with make(Counted([20]), num_workers=1, batch_size=2, snapshot_every_n_steps=5) as loader:
+        assert loader.snapshot_every_n_steps == 5
+        for i, batch in enumerate(loader):
+            assert loader.state_dict()["stateful"]["workers"]["worker_0"]["dataset_state"]["position"] == 2 * i + 2
+    assert make(Counted([4]), snapshot_every_n_steps=None).snapshot_every_n_steps is None
+    with pytest.raises(ValueError, match=r"^snapshot_every_n_steps must be >= 1, got 0$"):
+        make(Counted([4]), snapshot_every_n_steps=0)
+    with pytest.raises(TypeError, match=r"^snapshot_every_n_steps must be an int >= 1, got 2.5$"):
+        make(Counted([4]), snapshot_every_n_steps=2.5)
+
+
 @pytest.mark.parametrize("in_order", [True, False])
 def test_persistent_workers_resume_mid_epoch_across_epochs_and_twice(in_order):
     def factory():
