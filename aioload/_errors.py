@@ -58,6 +58,15 @@ class DataLoaderTimeoutError(_Rebuildable, RuntimeError, TimeoutError):
         self.stuck = list(stuck)
 
 
+class UnpicklableError(_Rebuildable, TypeError, pickle.PicklingError, AttributeError):
+    """What a ``spawn`` or ``forkserver`` worker must be sent cannot be pickled: the message
+    names it (``collate_fn``, ``worker_init_fn``, the dataset) and the fix, pickle's own error
+    is the ``__cause__``. torch's DataLoader lets pickle's error through: a
+    ``pickle.PicklingError`` for a lambda, an ``AttributeError`` for a function defined inside
+    another; this is both (and a ``TypeError``, as for an object holding a lock), so an
+    ``except`` written for torch catches it."""
+
+
 class LoaderClosedError(_Rebuildable, RuntimeError):
     """The loader was closed: iterating it again is a usage error, not a failure."""
 

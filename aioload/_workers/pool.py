@@ -23,6 +23,7 @@ import weakref
 
 from aioload._workers import wire as _wire
 from aioload._errors import WorkerCrashedError, crash_message, describe_exit, unpack_exception
+from aioload._errors import UnpicklableError
 from aioload._workers.messages import (CancelReads, Done, Fetched, FetchShard, InitError, ReportStreams, Shutdown,
                                       Stopped, Streams, Task, WorkerReady)
 from aioload._handoff import shared as _shared
@@ -178,7 +179,7 @@ _SENT = (("collate_fn", "a function defined at the top level of a module (not a 
                      "client or lambda (open those in the worker, on first use)"))
 
 
-def _unsendable(cfg: WorkerConfig, context, exc: Exception) -> TypeError | None:
+def _unsendable(cfg: WorkerConfig, context, exc: Exception) -> UnpicklableError | None:
     """The error naming what of ``cfg`` a ``spawn`` or ``forkserver`` worker cannot be sent,
     and the fix; ``None`` where all of it pickles (``exc`` is then not about it)."""
     method = context.get_start_method()
@@ -186,7 +187,7 @@ def _unsendable(cfg: WorkerConfig, context, exc: Exception) -> TypeError | None:
         try:
             pickle.dumps(getattr(cfg, name))
         except Exception as failed:  # noqa: BLE001 - any failure to pickle names the culprit
-            error = TypeError(
+            error = UnpicklableError(
                 f"{name} {getattr(cfg, name)!r} cannot be pickled, and the {method!r} start method sends it to "
                 f"every worker ({type(failed).__name__}: {failed}): make it {fix}, or use "
                 f"multiprocessing_context='fork' where the platform has it")
