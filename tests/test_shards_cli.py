@@ -74,6 +74,23 @@ def test_index_writes_sidecars_for_shards_of_other_tools(image_root, tmp_path):
     assert again.stdout.splitlines()[0].endswith(": 16 samples; its sidecar is up to date")
 
 
+def test_index_after_a_cache_only_run_writes_each_sidecar_once(image_root, tmp_path):
+    pattern = write_webdataset(image_samples(image_root), tmp_path / "wds", 16)
+    urls = [str(tmp_path / "wds" / f"wds-{i:06d}.tar") for i in range(3)]
+    cached = aioload_cli("index", pattern, "--cache-only", cache=tmp_path / "cache")
+    assert cached.returncode == 0, cached.stderr
+    assert not any(Path(url + SIDECAR).exists() for url in urls)
+    done = aioload_cli("index", pattern, cache=tmp_path / "cache")
+    assert done.stdout.splitlines() == [f"{url}: 16 samples; wrote {url}{SIDECAR}" for url in urls]
+    written = {url: os.stat(url + SIDECAR).st_mtime_ns for url in urls}
+    again = aioload_cli("index", pattern, cache=tmp_path / "cache")
+    assert again.stdout.splitlines() == [f"{url}: 16 samples; its sidecar is up to date" for url in urls]
+    assert {url: os.stat(url + SIDECAR).st_mtime_ns for url in urls} == written
+    Path(urls[1] + SIDECAR).write_text("{}")  # a sidecar that no longer matches is written again
+    fixed = aioload_cli("index", pattern, cache=tmp_path / "cache")
+    assert fixed.stdout.splitlines()[1] == f"{urls[1]}: 16 samples; wrote {urls[1]}{SIDECAR}"
+
+
 def test_index_reports_a_header_with_a_negative_size_and_ends(image_root, tmp_path):
     pattern = write_webdataset(image_samples(image_root)[:6], tmp_path / "wds", 6)
     url = pattern.replace("{000000..000000}", "000000")

@@ -439,7 +439,7 @@ def index_command(args: argparse.Namespace) -> int:
     indexed = run_blocking(lambda: Indexer(storage, IndexCache(default_cache_folder())).all(urls))
     for shard in indexed:
         faults = f", {len(shard.index.faults)} unreadable" if shard.index.faults else ""
-        if shard.source == "sidecar":
+        if shard.source == "sidecar" or (shard.source == "cache" and _sidecar_holds(storage, shard)):
             done = "its sidecar is up to date"
         elif locate(shard.url)[0] == "http" or args.cache_only:
             done = "indexed into the local cache only" + (" (HTTP takes no uploads)" if not args.cache_only else "")
@@ -447,6 +447,21 @@ def index_command(args: argparse.Namespace) -> int:
             done = f"wrote {write_sidecar(shard.url, shard.index, options)}"
         print(f"{shard.url}: {len(shard.index)} samples{faults}; {done}")
     return 0
+
+
+def _sidecar_holds(storage, shard) -> bool:
+    """Whether the sidecar beside ``shard`` (an index found in the local cache) already holds
+    its index, byte for byte: then a run after a ``--cache-only`` one, or a second run, touches
+    nothing."""
+    from aioload._shards.index import SIDECAR
+    from aioload._storage.storage import locate
+
+    if locate(shard.url)[0] == "http":
+        return False
+    try:
+        return storage.read_bytes_blocking(shard.url + SIDECAR) == shard.index.to_json().encode()
+    except OSError:  # none yet, or unreadable: write it
+        return False
 
 
 def _scenarios(text: str) -> list[str]:
