@@ -147,22 +147,76 @@ class Hide:  # every finder finds nothing for a hidden module, as where it is no
         return getattr(self.finder, name)
 
 sys.meta_path[:] = [Hide(finder) for finder in sys.meta_path]
-sys.argv = sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+if sys.argv[2] == "-m":  # a module run as python -m runs it
+    sys.argv = sys.argv[3:]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = sys.argv[2:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.mark.slow
-def test_async_example_runs_with_only_the_declared_dependencies(tmp_path):
+def _not_installed_by_dependencies() -> list[str]:
+    """The importable modules ``pip install -e .`` would not install (the test extra's, the
+    optional extras'), to be hidden."""
     installed = _installed_by_dependencies()
     hidden = sorted(module for module, dists in _modules().items()
                     if module.isidentifier() and not {_normal(d) for d in dists} & installed
                     and module != "aioload")
     # the test extra's trio (and what it brings, sniffio) is hidden; torch and what it needs is not
     assert "trio" in hidden and ("sniffio" in hidden or not _distributions("sniffio")) and "torch" not in hidden
+    return hidden
+
+
+def _run_hidden(tmp_path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, AIOLOAD_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", HIDE, ",".join(hidden), str(ROOT / "examples/train_async.py"),
-                           "--steps", "6", "--workers", "1"],
+    return subprocess.run([sys.executable, "-c", HIDE, ",".join(_not_installed_by_dependencies()), *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.slow
+def test_async_example_runs_with_only_the_declared_dependencies(tmp_path):
+    done = _run_hidden(tmp_path, str(ROOT / "examples/train_async.py"), "--steps", "6", "--workers", "1")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "done: 6 steps in 1 epoch" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_main_job_runs_with_only_the_declared_dependencies(tmp_path):
+    # README's first command installs aioload alone (no extra: no torchcodec, no FFmpeg) and
+    # runs aioload bench: its JPEGs must decode, with torchvision's decoder
+    assert "torchcodec" in _not_installed_by_dependencies()
+    done = _run_hidden(tmp_path, "-m", "aioload", "bench", "--images", "64", "--batch-size", "16", "--rounds", "1",
+                       "--workers", "1", "--scenarios", "local")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "summary: aioload delivered" in done.stdout and "Traceback" not in done.stderr, done.stdout + done.stderr
+
+
+def _readme_commands() -> tuple[str, str]:
+    """README's first two commands: the main job's, the tests'."""
+    block = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2, f"README.md must start with two commands, the main job's and the tests': {commands}"
+    return commands[0], commands[1]
+
+
+def _steps(command: str) -> list[str]:
+    """A command's steps, ``pip`` spelled as ``python -m pip`` (as in .ci/run)."""
+    steps = [step.strip() for step in command.split("&&")]
+    return [re.sub(r"^pip ", "python -m pip ", step) for step in steps]
+
+
+@pytest.mark.unit
+def test_readmes_main_job_needs_no_root_no_ffmpeg_and_no_extra():
+    main, _ = _readme_commands()
+    steps = _steps(main)
+    assert not any(s.startswith(("apt-get", "sudo")) for s in steps), steps
+    assert "python -m pip install -e ." in steps and steps[-1] == "aioload bench", steps
+
+
+@pytest.mark.unit
+def test_ci_runs_readmes_test_command():
+    _, tests = _readme_commands()
+    ci = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd ", "export "))]
+    assert _steps(tests) == ci, (_steps(tests), ci)
