@@ -86,6 +86,11 @@ def _positive_int(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+def default_queue_depth(prefetch_factor: int | None, num_workers: int) -> int:
+    """``queue_depth=None``'s value: ``max(2, prefetch_factor × num_workers / 2)`` (2 with two workers)."""
+    return max(2, (prefetch_factor or 2) * max(1, num_workers) // 2)
+
+
 _T_co = TypeVar("_T_co", covariant=True)
 
 
@@ -210,7 +215,7 @@ class DataLoader(Generic[_T_co]):
         self.dataset = dataset
         self.pin_memory = pin_memory
         self.io_concurrency = io_concurrency
-        default_depth = max(2, (prefetch_factor or 2) * max(1, num_workers) // 2)
+        default_depth = default_queue_depth(prefetch_factor, num_workers)
         self.queue_depth = queue_depth if queue_depth is not None else default_depth
         self.device = device
         self.seed = seed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import inspect
 import os
 import pty
 import re
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 import aioload
+from aioload._loader import default_queue_depth
 from aioload._tools import cli as _cli
 from aioload._tools.synth import default_root
 
@@ -291,6 +293,14 @@ def test_every_option_has_help_and_its_default(command):
         if action.dest == "help" or not action.option_strings:
             continue
         assert action.help and "default" in action.help, action.option_strings
+
+
+def test_the_bench_runs_aioload_with_the_loaders_own_defaults():
+    args = _cli.parser().parse_args(["bench"])
+    signature = inspect.signature(aioload.DataLoader.__init__).parameters
+    assert (args.io_concurrency, args.queue_depth) == (signature["io_concurrency"].default,
+                                                       signature["queue_depth"].default)
+    assert aioload.DataLoader(range(8), num_workers=2).queue_depth == default_queue_depth(None, 2) == 2
 
 
 def test_top_level_help_is_plain_text_and_names_the_cache_variable(capsys):

@@ -116,8 +116,13 @@ def _run_scenarios(args, root: str, local) -> list[Scenario] | int:
         print(f"error: {root} has {n} images; need at least {2 * args.batch_size} for batch size "
               f"{args.batch_size}", file=sys.stderr)
         return 2
+    depth = args.queue_depth
+    if depth is None:
+        from aioload._loader import default_queue_depth
+
+        depth = f"{default_queue_depth(None, args.workers)} (the loader's default)"
     print(f"aioload bench: {n} images in {root}, batch {args.batch_size}, {args.workers} workers, "
-          f"io_concurrency {args.io_concurrency}, queue_depth {args.queue_depth}, "
+          f"io_concurrency {args.io_concurrency}, queue_depth {depth}, "
           f"training step {args.step_ms:g} ms, {_plural(args.rounds, 'interleaved round')} per scenario", flush=True)
     done = []
     for key in args.scenarios:
@@ -518,8 +523,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--io-concurrency", type=_int_or_auto, default="auto",
                    help="aioload's reads in flight: a number, or auto (the loader's default: each worker's "
                         "limit grows while its decoding waits on reads held at it) (default: %(default)s)")
-    b.add_argument("--queue-depth", type=int, default=4,
-                   help="aioload's finished batches buffered ahead of the consumer (default: %(default)s)")
+    b.add_argument("--queue-depth", type=int, default=None,
+                   help="aioload's finished batches buffered ahead of the consumer (default: the loader's "
+                        "own, max(2, 2 x workers / 2): 2 with 2 workers)")
     b.add_argument("--step-ms", type=float, default=0.0,
                    help="a simulated training step after each batch, in ms: a sleep, as while a GPU "
                         "works (default: %(default)g, the loaders' own speed)")
@@ -591,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     positive = {"bench": ("workers", "batch_size", "io_concurrency", "queue_depth", "rounds", "images"),
                 "make-data": ("images", "classes"), "make-shards": ("maxcount", "maxsize"), "index": ()}[args.command]
     for name in positive:
-        if getattr(args, name) != "auto" and getattr(args, name) < 1:
+        if getattr(args, name) not in ("auto", None) and getattr(args, name) < 1:
             top.error(f"--{name.replace('_', '-')} must be >= 1")
     commands = {"make-data": make_data_command, "make-shards": make_shards_command, "index": index_command}
     if args.command in commands:
