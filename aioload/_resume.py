@@ -177,6 +177,12 @@ def _sources(dataset) -> dict:
     return {"sources": [[name, length] for name, length in zip(dataset.names, dataset.lengths)]}
 
 
+_WORLD_MAY = {True: ", and so may the world size: this loader shards the dataset itself (elastic resume)",
+              False: "; the world size may differ where the loader shards a map-style dataset itself, "
+                     "docs/reproducibility.md"}
+"""What a refused state's message says of the world size: ``elastic`` or not."""
+
+
 def check_world(saved: int | None, mine: int | None, action: str, why: str = "") -> None:
     """Refuse to resume a position saved with another number of ranks (``why``: the reason a
     loader that could resume on another number of ranks cannot resume this state)."""
@@ -453,8 +459,9 @@ def _check_config(cfg, exp: Expected) -> dict:
         if saved != value or type(saved) is not type(value):
             raise ResumeError(
                 f"this state was saved by a loader with {key}={reprlib.repr(saved)}, but this loader has "
-                f"{key}={value!r}: exact resume needs the same dataset, batching, sampler, seed and "
-                "world size (num_workers, io_concurrency and in_order may differ)"
+                f"{key}={value!r}: exact resume needs the same dataset, batching, sampler and seed "
+                f"(num_workers, io_concurrency and in_order may differ{_WORLD_MAY[exp.elastic]}); load it into a "
+                f"loader made as the one that saved it"
             )
     return cfg
 

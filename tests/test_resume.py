@@ -297,7 +297,11 @@ def test_a_state_from_another_configuration_is_refused():
     _, _, state, _ = interrupted(loader_factory(shuffle=True, seed=5), 3)
     with aioload.DataLoader(Augmented(N), batch_size=4, shuffle=True, seed=5) as loader:
         with pytest.raises(ValueError, match=r"^this state was saved by a loader with batch_size=3, but this "
-                                             r"loader has batch_size=4: exact resume needs the same dataset"):
+                                             r"loader has batch_size=4: exact resume needs the same dataset, "
+                                             r"batching, sampler and seed \(num_workers, io_concurrency and "
+                                             r"in_order may differ, and so may the world size: this loader shards "
+                                             r"the dataset itself \(elastic resume\)\); load it into a loader "
+                                             r"made as the one that saved it$"):
             loader.load_state_dict(state)
     with aioload.DataLoader(Augmented(N), batch_size=3, shuffle=True, seed=6) as loader:
         with pytest.raises(ValueError, match=r"^this state was saved by a loader with seed=5, but this loader has seed=6"):
