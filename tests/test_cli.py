@@ -42,7 +42,9 @@ def test_make_data_grows_and_cuts_a_folder_made_before(tmp_path, capsys):
     six = jpegs(target)
     capsys.readouterr()
     assert _cli.main(["make-data", str(target), "--images", "9", "--classes", "3"]) == 0
-    assert capsys.readouterr().out.endswith(f"9 JPEGs in 3 class folders under {target} (it held 6)\n")
+    grown = capsys.readouterr()
+    assert grown.out.endswith(f"9 JPEGs in 3 class folders under {target} (it held 6)\n")
+    assert grown.err.splitlines()[-1] == "  generated 3/3 images"  # the three it wrote
     nine = jpegs(target)
     assert len(nine) == 9 and {k: nine[k] for k in six} == six  # the first six are kept, not rewritten
     assert len(aioload.ImageFolder(target)) == 9
@@ -50,7 +52,9 @@ def test_make_data_grows_and_cuts_a_folder_made_before(tmp_path, capsys):
     fresh = aioload.make_data(tmp_path / "fresh", 9, classes=3)
     assert all((target / k).read_bytes() == (fresh / k).read_bytes() for k in nine)
     assert _cli.main(["make-data", str(target), "--images", "4", "--classes", "3"]) == 0
-    assert capsys.readouterr().out.endswith(f"4 JPEGs in 3 class folders under {target} (it held 9)\n")
+    cut = capsys.readouterr()
+    assert cut.out.endswith(f"4 JPEGs in 3 class folders under {target} (it held 9)\n")
+    assert cut.err == "  removed 5 images, past the 4 asked for\n"  # and nothing said to be generated
     assert sorted(jpegs(target)) == sorted(k for k in nine if int(k[-10:-4]) < 4)
     assert _cli.main(["make-data", str(target), "--images", "4", "--classes", "3"]) == 0
     assert capsys.readouterr().out == f"{target} already holds these 4 generated JPEGs: nothing to do\n"

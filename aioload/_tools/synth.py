@@ -71,10 +71,11 @@ def _write(root: Path, classes: int, seed: int, i: int) -> None:
     os.replace(tmp, path)
 
 
-def _write_range(args) -> None:
-    root, classes, seed, lo, hi = args
-    for i in range(lo, hi):
+def _write_range(args) -> int:
+    root, classes, seed, indices = args
+    for i in indices:
         _write(root, classes, seed, i)
+    return len(indices)
 
 
 class _Report:
@@ -160,24 +161,30 @@ def make_image_folder(root: str | os.PathLike | None = None, images: int = DEFAU
                          f"folder, or delete {root} first")
     marker = root / ".complete"
     marker.unlink(missing_ok=True)  # unfinished until every image below is written
-    if made is not None:
-        for i in range(images, made["images"]):  # fewer asked for than made: remove the rest
+    if made is not None and made["images"] > images:  # fewer asked for than made: remove the rest
+        for i in range(images, made["images"]):
             (root / _name(classes, i)).unlink(missing_ok=True)
+        if not quiet:
+            print(f"  removed {made['images'] - images} images, past the {images} asked for", file=sys.stderr,
+                  flush=True)
     for c in range(classes):
         (root / f"class_{c:03d}").mkdir(parents=True, exist_ok=True)
+    missing = [i for i in range(images) if not (root / _name(classes, i)).exists()]
     step = 256
-    ranges = [(root, classes, seed, lo, min(lo + step, images)) for lo in range(0, images, step)]
-    report = _Report(images, quiet)
+    ranges = [(root, classes, seed, missing[lo:lo + step]) for lo in range(0, len(missing), step)]
+    report = _Report(len(missing), quiet)  # only the images written count: those already there are kept
+    done = 0
     if processes > 1:
         import multiprocessing as mp
 
         with mp.get_context("fork").Pool(processes) as pool:
-            for done, _ in enumerate(pool.imap_unordered(_write_range, ranges), 1):
-                report(min(done * step, images))
+            for written in pool.imap_unordered(_write_range, ranges):
+                done += written
+                report(done)
     else:
         for args in ranges:
-            _write_range(args)
-            report(args[4])
+            done += _write_range(args)
+            report(done)
     marker.write_text(json.dumps(asked))
     return root
 
