@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing.util
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -34,6 +35,7 @@ class Resources:
         self.lost: str | None = None  # why the last pool was lost (a crash), until it is replaced
         self.workers = 0  # worker processes per pool, once one has been started
         self.executor: ExecutorStage | None = None  # with executor=
+        self.made_at = _caller()  # the user's line that made the loader, for the unclosed warning
         watch_exit()
 
     def started_here(self) -> bool:
@@ -84,15 +86,28 @@ class Resources:
             self.executor.close()
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _caller() -> tuple[str, int]:
+    """``(file, line)`` of the first frame outside aioload: the code that made the loader."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame = frame.f_back
+    return frame.f_code.co_filename, frame.f_lineno
+
+
 def finalize_loader(res: Resources) -> None:
     if res.closed:
         return
     if res.workers and not _EXITING:  # it started processes, even if none runs right now
-        warnings.warn(
-            f"an aioload.DataLoader with {res.workers} worker processes was garbage "
+        # A finalizer runs wherever the collector does (weakref.py's frame): the warning points
+        # at the line that made the loader instead, where the fix goes.
+        filename, lineno = res.made_at
+        warnings.warn_explicit(
+            f"an aioload.DataLoader with {res.workers} worker processes (made at {filename}:{lineno}) was garbage "
             "collected without close(); use 'with aioload.DataLoader(...)' or call close()",
-            ResourceWarning,
-            stacklevel=2,
+            ResourceWarning, filename, lineno, module=os.path.splitext(os.path.basename(filename))[0],
         )
     res.close()
 

@@ -558,12 +558,15 @@ def test_exception_in_the_training_loop_then_close(make, before):
 
 
 def test_unclosed_loader_warns_and_releases_everything_when_collected(make, before):
-    loader = aioload.DataLoader(make(), batch_size=4, num_workers=2, timeout=20)
+    loader, made_at = aioload.DataLoader(make(), batch_size=4, num_workers=2, timeout=20), sys._getframe().f_lineno
     it = iter(loader)
     next(it)
-    with pytest.warns(ResourceWarning, match="garbage collected without close()"):
+    with pytest.warns(ResourceWarning, match="garbage collected without close()") as caught:
         del it, loader
         gc.collect()
+    # it points at the line that made the loader, not into weakref.py where the collector runs
+    assert (caught[0].filename, caught[0].lineno) == (__file__, made_at)
+    assert f"(made at {__file__}:{made_at})" in str(caught[0].message)
     assert_released(before)
 
 
