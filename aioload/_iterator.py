@@ -138,7 +138,11 @@ class EngineIterator(EpochIterator):
     async def _anext(self):
         if self._done:
             raise StopAsyncIteration
-        ctx = self._context()
+        ctx = self._ctx
+        if ctx is None:
+            # The epoch's start (the order, the worker processes, the engine's thread) takes
+            # 0.1-0.3 s: in a thread, so that it does not hold the caller's event loop.
+            ctx = await anyio.to_thread.run_sync(self._context)
         while True:
             item, waited = await self._take_async(ctx)
             if item is _END:

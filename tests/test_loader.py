@@ -7,6 +7,7 @@ import collections
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -175,6 +176,50 @@ def test_async_iteration_never_blocks_the_event_loop(backend, options):
         batches, ticked = _ticking(loader, backend, options, ticks)
     assert flat_labels(batches) == list(range(20))
     assert ticked > 19
+
+
+class ThreadOfIter(torch.utils.data.Sampler):
+    """A sequential sampler that notes the thread each epoch's ``iter()`` runs in."""
+
+    def __init__(self, n: int):
+        self.n, self.threads = n, []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        self.threads.append(threading.get_ident())
+        return iter(range(self.n))
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_async_for_starts_its_epoch_off_the_event_loop(backend):
+    # the epoch's start (its order, the workers, the engine's thread: 0.1-0.3 s) runs in a
+    # thread, not on the loop that awaits the first batch
+    sampler = ThreadOfIter(20)
+
+    async def main(loader):
+        return threading.get_ident(), [batch async for batch in loader]
+
+    with aioload.DataLoader(Squares(20), batch_size=5, sampler=sampler, num_workers=1) as loader:
+        loop_thread, batches = anyio.run(main, loader, backend=backend)
+    assert flat_labels(batches) == list(range(20))
+    assert len(sampler.threads) == 1 and sampler.threads[0] != loop_thread
+
+
+def test_a_loader_built_in_a_thread_is_iterated_on_the_loop():
+    # README's recipe for async code: build the loader off the loop, keep the workers across a break
+    async def main():
+        loader = await asyncio.to_thread(aioload.DataLoader, Squares(20), batch_size=5, num_workers=1,
+                                         persistent_workers=True)
+        async with loader:
+            async for batch in loader:
+                break
+            return batch, [b async for b in loader], loader
+
+    first, rest, loader = asyncio.run(main())
+    assert first[1].tolist() == [0, 1, 2, 3, 4] and flat_labels(rest) == list(range(20))
+    assert loader.closed
 
 
 def test_async_with_closes_the_loader():
