@@ -58,6 +58,12 @@ _TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(_TorchDataLoader.__init__)
 # from these); every other attribute of torch's loader may be assigned, and so it may here.
 _FROZEN = frozenset({"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"})
 
+STALL_WARNING = 300.0
+"""Seconds the training loop may wait for one batch, without ``timeout=``, before the loader
+warns where it is held up (with the stuck workers' stacks): longer than any first batch of a
+healthy run (workers starting, caches filling) that the test suite or the benchmarks know of."""
+
+
 
 class _PoolSettings(NamedTuple):
     """The assignable attributes a worker pool is started with, and where its samples are
@@ -140,6 +146,10 @@ class DataLoader(Generic[_T_co]):
       process spends no CPU on reads (see ``docs/architecture.md``), unless the dataset's
       ``read_in_workers`` says no. ``False``: on the loader's event loop in the training
       process. ``True``: in the workers.
+    * ``stall_warning`` -- without ``timeout=``, once a batch has been awaited this many
+      seconds (default 300), warn once per epoch with an :class:`aioload.StalledWarning` naming
+      the samples held up, the worker, its pid and its Python stack; the loader goes on
+      waiting. ``None``: no warning. See ``docs/troubleshooting.md``.
     """
 
     def __init__(self, dataset: torch.utils.data.Dataset[_T_co],
@@ -153,7 +163,7 @@ class DataLoader(Generic[_T_co]):
                  read_timeout: float | None = None,
                  log_every: float | None = None, progress: bool = False, shard: bool = True,
                  executor: concurrent.futures.Executor | None = None, read_on_executor: bool = True,
-                 read_in_workers: bool | None = None):
+                 read_in_workers: bool | None = None, stall_warning: float | None = STALL_WARNING):
         extra: dict[str, Any] = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
         if pin_memory_device:
             extra["pin_memory_device"] = pin_memory_device
@@ -193,6 +203,7 @@ class DataLoader(Generic[_T_co]):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         check_max_errors(max_errors, on_error)
         _check_read_timeout(read_timeout, dataset)
+        _check_stall_warning(stall_warning)
         if on_error == "skip" and isinstance(dataset, IterableDataset):
             raise ValueError(
                 "on_error='skip' needs a map-style dataset: an IterableDataset's iterator cannot "
@@ -212,6 +223,7 @@ class DataLoader(Generic[_T_co]):
         self.on_error = on_error
         self.max_errors = max_errors
         self.read_timeout = read_timeout
+        self.stall_warning = stall_warning
         self.in_order = in_order
         self._user_generator = generator
         self._next_epoch = 0
@@ -664,7 +676,8 @@ class DataLoader(Generic[_T_co]):
             budget=budget, collate_fn=t.collate_fn, auto_collation=t._auto_collation, batch_size=t.batch_size,
             drop_last=t.drop_last, iterable=self._iterable, seed=self.seed, on_error=self.on_error,
             device=self._device, pin=self._pin, timeout=self.timeout or None, batches=batches,
-            len_called=called, num_workers=self.num_workers, persistent=self.persistent_workers, **engine_parts,
+            len_called=called, num_workers=self.num_workers, persistent=self.persistent_workers,
+            stall_warning=self.stall_warning, **engine_parts,
         )
 
     def _start_in_process(self) -> EpochContext:
@@ -737,6 +750,15 @@ def _len_or_none(loader: DataLoader) -> int | None:
         return len(loader)
     except TypeError:
         return None
+
+
+def _check_stall_warning(stall_warning) -> None:
+    if stall_warning is None:
+        return
+    if isinstance(stall_warning, bool) or not isinstance(stall_warning, (int, float)):
+        raise TypeError(f"stall_warning must be a number of seconds or None, got {stall_warning!r}")
+    if not stall_warning > 0:
+        raise ValueError(f"stall_warning must be > 0 seconds (None turns the warning off), got {stall_warning!r}")
 
 
 def _check_read_timeout(read_timeout, dataset) -> None:

@@ -212,3 +212,21 @@ class FaultyBatchedDataset(FaultyMapDataset):
 
     def __getitems__(self, indices: list) -> list:
         return [self[i] for i in indices]
+
+
+class HeldDataset(torch.utils.data.Dataset):
+    """A plain dataset whose ``__getitem__(held)`` waits until the file ``release`` exists (a
+    sample stuck until the test lets it go)."""
+
+    def __init__(self, n: int, held: int, release):
+        self.n = n
+        self.held = held
+        self.release = os.fspath(release)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        while index == self.held and not os.path.exists(self.release):
+            time.sleep(0.01)
+        return index

@@ -699,7 +699,7 @@ SKIPPED_KEPT = 10_000
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
-def _outside_frames() -> int:
+def outside_frames() -> int:
     """The ``stacklevel`` of the first caller outside aioload (the loop that iterates a loader)."""
     frame: FrameType | None = sys._getframe(1)
     level = 1
@@ -800,7 +800,7 @@ class StatsRecorder:
         stall = self.stall
         if isinstance(stall, Warning):
             self.stall = True
-            warnings.warn(stall, stacklevel=_outside_frames())
+            warnings.warn(stall, stacklevel=outside_frames())
 
     def _keep_latency(self, seconds: float) -> None:
         """Into the ring of the :attr:`RING` most recent read latencies."""
