@@ -235,6 +235,7 @@ class DataLoader(Generic[_T_co]):
         # epoch holds, its engine and queue, must not outlive its iterator).
         self._running: weakref.ref[EpochContext] | None = None
         self._stats = StatsRecorder()
+        self._stats.dataset = dataset  # named by attribute where the workers copy it (copy-on-read)
         self._dataset_base = dataset_figures(dataset)  # a dataset's own counters count from here
         first = BatchBound(max(1, num_workers), prefetch_factor or 2, self._torch.batch_size or 1, whole=False,
                            reads=is_split(dataset))  # until the first epoch's spec gives the bound
