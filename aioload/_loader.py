@@ -753,22 +753,24 @@ def _len_or_none(loader: DataLoader) -> int | None:
         return None
 
 
-def _check_stall_warning(stall_warning) -> None:
-    if stall_warning is None:
+def _check_seconds(name: str, value, none: str) -> None:
+    """``value`` is a number of seconds above 0, or ``None`` (which ``none`` explains)."""
+    if value is None:
         return
-    if isinstance(stall_warning, bool) or not isinstance(stall_warning, (int, float)):
-        raise TypeError(f"stall_warning must be a number of seconds or None, got {stall_warning!r}")
-    if not stall_warning > 0:
-        raise ValueError(f"stall_warning must be > 0 seconds (None turns the warning off), got {stall_warning!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds or None, got {value!r}")
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0 seconds {none}, got {value}")
+
+
+def _check_stall_warning(stall_warning) -> None:
+    _check_seconds("stall_warning", stall_warning, "(None turns the warning off)")
 
 
 def _check_read_timeout(read_timeout, dataset) -> None:
+    _check_seconds("read_timeout", read_timeout, "or None")
     if read_timeout is None:
         return
-    if isinstance(read_timeout, bool) or not isinstance(read_timeout, (int, float)):
-        raise TypeError(f"read_timeout must be a number of seconds or None, got {read_timeout!r}")
-    if not read_timeout > 0:
-        raise ValueError(f"read_timeout must be > 0 seconds or None, got {read_timeout}")
     if not is_split(dataset):
         raise ValueError(
             "read_timeout bounds Dataset.read, and this dataset has no 'async def read' (it is "
