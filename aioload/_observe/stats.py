@@ -755,6 +755,7 @@ class StatsRecorder:
     RING = 2048
 
     if TYPE_CHECKING:  # the counters (``batches``, ``reads``, ...) are set by reset() from STATS
+        copy_on_read: str
         def __getattr__(self, name: str) -> Any: ...
 
         def __setattr__(self, name: str, value: Any) -> None: ...
