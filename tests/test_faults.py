@@ -269,6 +269,8 @@ HANGS = [
                  SLEEPING + "decode", id="decode"),
     pytest.param("decode-hang", FaultyMapDataset, {}, r"__getitem__ in worker [01] \(pid \d+\)", NO_READ_ADVICE,
                  SLEEPING + "__getitem__", id="getitem"),
+    pytest.param("gil-hang", FaultyMapDataset, {}, r"__getitem__ in worker [01] \(pid \d+\)", NO_READ_ADVICE,
+                 SLEEPING + "__getitem__", id="getitem-in-c-holding-the-gil"),
     pytest.param("read-hang", FaultyDataset, {}, r"read or decode in worker [01] \(pid \d+\)", READ_ADVICE,
                  WAITING_FOR_READS, id="read-in-worker"),
     pytest.param("read-hang", FaultyDataset, {"read_in_workers": False}, r"read", READ_ADVICE, None, id="read"),
