@@ -13,6 +13,8 @@ once with an :class:`aioload.CopyOnReadWarning` (:func:`copy_on_read_warning`).
 
 from __future__ import annotations
 
+import threading
+import time
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -35,6 +37,10 @@ WALK_DEPTH = 3
 """... down to this many attributes, items or values below the dataset."""
 
 _CONTAINERS = (list, dict, tuple, set, frozenset)
+
+FRESH_S = 5.0
+"""``stats()`` starts a new measurement when the last one is older than this: a log line every
+10 ms (``log_every=0.01``) must not walk every process's page tables each time."""
 
 
 class Rollup(NamedTuple):
@@ -73,17 +79,37 @@ class WorkerMemory:
 
 
 class MemoryWindow:
-    """Each worker's memory, measured at each epoch's first batch (:meth:`open`), at its end
-    (:meth:`close`) and whenever statistics are asked (:meth:`measure`). ``workers()`` gives
-    the worker pids in worker order (``None`` for one not started)."""
+    """Each process's memory, measured at each epoch's first batch (:meth:`open`, on a thread of
+    its own), at its end (:meth:`close`, the workers only, in the caller's thread: the
+    copy-on-read warning is given there) and, on a thread of its own, when statistics are asked
+    and the last measurement is older than :data:`FRESH_S` (:meth:`figures`). Reading
+    ``smaps_rollup`` makes the kernel walk a process's page tables, tens of milliseconds for a
+    few hundred MB mapped; ``/proc`` reads let go of the GIL, so a thread's measurement costs the
+    training loop next to nothing. ``workers()`` gives the worker pids in worker order (``None``
+    for one not started)."""
 
     def __init__(self, workers: Callable[[], list[int | None]]):
         self.workers = workers
         self.known: list[WorkerMemory | None] = []
+        self.process_pss = 0
         self.process_peak = 0
+        self._measured_at: float | None = None
+        self._lock = threading.Lock()  # one measurement at a time
+        self._thread: threading.Thread | None = None
 
-    def measure(self) -> list[WorkerMemory | None]:
-        """Measure every worker now; a worker replaced by another pid starts afresh."""
+    def measure(self, process: bool = False) -> list[WorkerMemory | None]:
+        """Measure every worker now (and this process, with ``process``); a worker replaced by
+        another pid starts afresh."""
+        with self._lock:
+            known = self._measure()
+            if process:
+                found = rollup()
+                self.process_pss = found.pss if found is not None else 0
+                self.process_peak = max(self.process_peak, self.process_pss)
+                self._measured_at = time.monotonic()
+            return known
+
+    def _measure(self) -> list[WorkerMemory | None]:
         pids = list(self.workers())
         known = self.known[:len(pids)] + [None] * (len(pids) - len(self.known))
         for wid, pid in enumerate(pids):
@@ -99,13 +125,28 @@ class MemoryWindow:
         self.known = known
         return known
 
+    def _start(self, target: Callable[[], None]) -> None:
+        self._join()
+        self._thread = threading.Thread(target=target, name="aioload-memory")
+        self._thread.start()
+
+    def _join(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
     def open(self) -> None:
-        for memory in self.measure():
+        """The epoch's first batch: each worker's private memory from here."""
+        self._start(self._open)
+
+    def _open(self) -> None:
+        for memory in self.measure(process=True):
             if memory is not None:
                 memory.base = memory.private
 
     def close(self) -> int:
         """The epoch ended: each worker's growth since :meth:`open`; the largest, in bytes."""
+        self._join()
         largest = 0
         for memory in self.measure():
             if memory is not None and memory.base is not None:
@@ -115,13 +156,18 @@ class MemoryWindow:
         return largest
 
     def figures(self) -> dict[str, Any]:
-        """The memory statistics (``docs/stats.md``), measured now."""
-        workers = self.measure()
-        process = rollup()
-        process_pss = process.pss if process is not None else 0
-        self.process_peak = max(self.process_peak, process_pss)
+        """The memory statistics (``docs/stats.md``) as last measured, of the workers running
+        now; a measurement older than :data:`FRESH_S` starts a new one (for the next call)."""
+        stale = self._measured_at is None or time.monotonic() - self._measured_at >= FRESH_S
+        if stale and (self._thread is None or not self._thread.is_alive()):
+            self._start(lambda: self.measure(process=True))
+        if self._measured_at is None:  # the first figures are waited for
+            self._join()
+        pids = list(self.workers())
+        workers = [m if m is not None and wid < len(pids) and m.pid == pids[wid] else None
+                   for wid, m in enumerate(self.known[:len(pids)])]
         return dict(
-            process_pss_bytes=process_pss, process_peak_pss_bytes=self.process_peak,
+            process_pss_bytes=self.process_pss, process_peak_pss_bytes=self.process_peak,
             worker_pss_bytes=tuple(m.pss if m else 0 for m in workers),
             worker_peak_pss_bytes=tuple(m.peak_pss if m else 0 for m in workers),
             worker_private_bytes=tuple(m.private if m else 0 for m in workers),

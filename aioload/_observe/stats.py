@@ -192,18 +192,20 @@ class LoaderStats:
     shm_bytes: int = field(default=0, metadata=_stat(
         GAUGE, "shared memory held by batch slots (memfds)", "bytes", "recorder"))
     process_pss_bytes: int = field(default=0, metadata=_stat(
-        GAUGE, "the training process's proportional set size now (`/proc/self/smaps_rollup`: its private "
-               "pages, plus each shared page divided among the processes that map it)", "bytes", "memory"))
+        GAUGE, "the training process's proportional set size (`/proc/self/smaps_rollup`: its private pages, "
+               "plus each shared page divided among the processes that map it), as last measured (see Memory "
+               "below)", "bytes", "memory"))
     process_peak_pss_bytes: int = field(default=0, metadata=_stat(
-        GAUGE, "the highest `process_pss_bytes` measured (at each `stats()`)", "bytes", "memory"))
+        GAUGE, "the highest `process_pss_bytes` measured", "bytes", "memory"))
     worker_pss_bytes: tuple = field(default=(), metadata=_stat(
-        GAUGE, "each worker's proportional set size now, by worker id (0 for a worker not running)", "bytes",
+        GAUGE, "each running worker's proportional set size as last measured, by worker id", "bytes",
         "memory"))
     worker_peak_pss_bytes: tuple = field(default=(), metadata=_stat(
-        GAUGE, "each worker's highest PSS measured (at each epoch's first batch and end, and each `stats()`)",
+        GAUGE, "each worker's highest PSS measured (at each epoch's first batch and end, and by `stats()`)",
         "bytes", "memory"))
     worker_private_bytes: tuple = field(default=(), metadata=_stat(
-        GAUGE, "each worker's private memory now (USS: pages no other process maps)", "bytes", "memory"))
+        GAUGE, "each worker's private memory as last measured (USS: pages no other process maps)", "bytes",
+        "memory"))
     worker_growth_bytes: tuple = field(default=(), metadata=_stat(
         GAUGE, "how much each worker's private memory grew over the last epoch that ended, from its first "
                "batch (copy-on-read shows here)", "bytes", "memory"))
