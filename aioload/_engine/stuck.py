@@ -46,6 +46,7 @@ class StuckReport:
     def where(self) -> list[tuple[Any, str]]:
         """``(index, stage)`` pairs for the oldest open batch (``index`` ``None`` when the
         stage holds the whole batch). On the engine's loop."""
+        self.held = {}
         batches = self.inflight.batches
         if not batches:
             return []
