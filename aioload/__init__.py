@@ -11,6 +11,7 @@ _EXPORTS = {
     "AudioFiles": "aioload._media.audio",
     "BlockingReadWarning": "aioload._errors",
     "CacheStats": "aioload._storage.cache",
+    "CopyOnReadWarning": "aioload._errors",
     "DataLoader": "aioload._loader",
     "DataLoaderTimeoutError": "aioload._errors",
     "Dataset": "aioload._dataset",
@@ -28,6 +29,7 @@ _EXPORTS = {
     "RetryPolicy": "aioload._storage.retry",
     "ShardError": "aioload._shards.index",
     "ShardWriter": "aioload._shards.writer",
+    "StalledWarning": "aioload._errors",
     "Storage": "aioload._storage.storage",
     "StringList": "aioload._strings",
     "TooManyErrorsError": "aioload._errors",
@@ -50,8 +52,8 @@ _SUBMODULES = ("images", "integrations", "transforms")
 if _typing.TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
     from aioload import images, integrations, transforms
     from aioload._dataset import Dataset
-    from aioload._errors import (BlockingReadWarning, DataLoaderTimeoutError, LoaderClosedError,
-                                 TooManyErrorsError, WorkerCrashedError)
+    from aioload._errors import (BlockingReadWarning, CopyOnReadWarning, DataLoaderTimeoutError,
+                                 LoaderClosedError, StalledWarning, TooManyErrorsError, WorkerCrashedError)
     from aioload._loader import DataLoader
     from aioload._media.audio import AudioFiles
     from aioload._media.frombytes import count_clips, decode_audio, decode_clip
@@ -95,6 +97,7 @@ __all__ = [
     "AudioFiles",
     "BlockingReadWarning",
     "CacheStats",
+    "CopyOnReadWarning",
     "DataLoader",
     "DataLoaderTimeoutError",
     "Dataset",
@@ -112,6 +115,7 @@ __all__ = [
     "RetryPolicy",
     "ShardError",
     "ShardWriter",
+    "StalledWarning",
     "Storage",
     "StringList",
     "TooManyErrorsError",

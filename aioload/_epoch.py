@@ -73,6 +73,8 @@ class EpochContext:
     transfer: Any = None
     superseded: bool = False  # a newer epoch of the same loader started: this one is over
     exhausted: bool = False  # every batch was delivered: the workers may stay for the next epoch
+    stall_warning: float | None = None  # without timeout=: warn once when a batch takes this long
+    stall_warned: bool = False  # ... which it did in this epoch
 
     def delivered(self, samples: int, waited: float) -> None:
         """A batch was handed over after ``waited`` seconds inside ``__next__``."""

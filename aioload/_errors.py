@@ -83,6 +83,20 @@ class BlockingReadWarning(RuntimeWarning):
     docs/troubleshooting.md."""
 
 
+class StalledWarning(RuntimeWarning):
+    """Without ``timeout=``, the training loop has waited for one batch longer than
+    ``stall_warning=`` seconds: the message names the samples held up, where (the worker and
+    its pid) and each such worker's Python stack. Warned once per epoch; the loader goes on
+    waiting, as torch's does. See docs/troubleshooting.md ("A stuck worker")."""
+
+
+class CopyOnReadWarning(RuntimeWarning):
+    """A worker's private memory grew past a threshold over an epoch while the dataset holds
+    large Python containers (lists, dicts, tuples, sets), which each worker copies page by page
+    as it reads them (reference counts): the message names them, with their sizes, and the cure.
+    Warned once per loader; see docs/troubleshooting.md ("Memory")."""
+
+
 def a_kind(name: str) -> str:
     """``name`` after its article, for messages: ``an ImageFolder``, ``a Mix``, ``an int``."""
     return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from typing import TYPE_CHECKING
 
 import anyio
@@ -14,12 +15,13 @@ import anyio
 from aioload._handoff import device as _device
 from aioload._compat import WAITING_ASYNC, profiled
 from aioload._epoch import EpochContext, EpochIterator, EpochSource
-from aioload._errors import DataLoaderTimeoutError
+from aioload._errors import DataLoaderTimeoutError, StalledWarning
 from aioload._engine.gpudecode import DecodeTransfer
 from aioload._engine.budget import AllSkipped
 from aioload._inprocess import decode_in_process
 from aioload._engine.ready import EndOfEpoch
-from aioload._engine.spec import Cancelled, Failure, Ready
+from aioload._engine.spec import Cancelled, Failure, Reads, Ready
+from aioload._observe.stats import outside_frames
 
 if TYPE_CHECKING:
     from aioload._engine.engine import Engine
@@ -51,7 +53,7 @@ class EngineIterator(EpochIterator):
         if started is None:
             started = time.perf_counter()
         try:
-            item, owed = get() if get is not None else ctx.ready.get(timeout=ctx.timeout)
+            item, owed = get() if get is not None else _wait(ctx)
         except _NotYet:
             raise
         except EndOfEpoch:
@@ -113,6 +115,13 @@ class EngineIterator(EpochIterator):
         if not ctx.ready.when_ready(wake):
             return
         if ctx.timeout is None:
+            if ctx.stall_warning and not ctx.stall_warned:
+                with anyio.move_on_after(max(0.0, ctx.stall_warning - (time.perf_counter() - started))) as scope:
+                    await event.wait()
+                if not scope.cancelled_caught:
+                    return
+                stalled = await anyio.to_thread.run_sync(_stalled, ctx)
+                warnings.warn(stalled, stacklevel=outside_frames())
             await event.wait()
             return
         left = ctx.timeout - (time.perf_counter() - started)
@@ -155,20 +164,51 @@ class EngineIterator(EpochIterator):
                 continue
 
 
-def _timed_out(engine: Engine, timeout: float) -> DataLoaderTimeoutError:
-    """The ``timeout=`` error, naming the samples the awaited batch is stuck on and where."""
+def _wait(ctx: EpochContext):
+    """The next ``(item, owed)`` of the ready queue, waiting up to ``timeout=``; without one,
+    a wait longer than ``stall_warning=`` seconds warns once in the epoch (:func:`_stalled`)
+    and goes on waiting."""
+    if ctx.timeout is None and ctx.stall_warning and not ctx.stall_warned:
+        try:
+            return ctx.ready.get(timeout=ctx.stall_warning)
+        except TimeoutError:
+            warnings.warn(_stalled(ctx), stacklevel=outside_frames())
+    return ctx.ready.get(timeout=ctx.timeout)
+
+
+def _held_up(engine: Engine) -> tuple[list, str]:
+    """``(stuck, detail)``: where the awaited batch is held up, as pairs and in words."""
     stuck = engine.outstanding()
     if stuck is None:
-        stuck, detail = [], ("the engine's event loop does not answer: a blocking call inside "
-                             "'async def read' holds it; make the read asynchronous (await it)")
-    elif stuck:
+        return [], ("the engine's event loop does not answer: a blocking call inside "
+                    "'async def read' holds it; make the read asynchronous (await it)")
+    if stuck:
+        return stuck, engine.describe_stuck(stuck)
+    return stuck, "no sample of the next batch is being read or decoded"
+
+
+def _stalled(ctx: EpochContext) -> StalledWarning:
+    """The stall warning (once per epoch): where the awaited batch is, and the stacks of the
+    workers holding it."""
+    ctx.stall_warned = True
+    _, detail = _held_up(ctx.engine)
+    return StalledWarning(
+        f"DataLoader has waited {ctx.stall_warning:g} seconds for a batch: {detail}. It goes on waiting; set "
+        f"timeout= to fail instead, or stall_warning=None to silence this.{ctx.engine.stuck_stacks()}"
+    )
+
+
+def _timed_out(engine: Engine, timeout: float) -> DataLoaderTimeoutError:
+    """The ``timeout=`` error, naming the samples the awaited batch is stuck on and where,
+    with the stacks of the workers that hold them."""
+    stuck, detail = _held_up(engine)
+    if stuck:
         engine.drain_timeout = 0  # do not wait for stuck workers when the epoch is abandoned
-        detail = engine.describe_stuck(stuck)
-    else:
-        detail = "no sample of the next batch is being read or decoded"
+    advice = ("Set read_timeout= to bound each read, or raise timeout= if batches are just slow."
+              if engine.spec.reads is not Reads.NONE else "Raise timeout= if batches are just slow.")
     return DataLoaderTimeoutError(
-        f"DataLoader timed out after {timeout} seconds waiting for a batch: {detail}. "
-        "Set read_timeout= to bound each read, or raise timeout= if batches are just slow.",
+        f"DataLoader timed out after {timeout} seconds waiting for a batch: {detail}. {advice}"
+        f"{engine.stuck_stacks()}",
         stuck=stuck,
     )
 

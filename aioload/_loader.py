@@ -58,6 +58,12 @@ _TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(_TorchDataLoader.__init__)
 # from these); every other attribute of torch's loader may be assigned, and so it may here.
 _FROZEN = frozenset({"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"})
 
+STALL_WARNING = 300.0
+"""Seconds the training loop may wait for one batch, without ``timeout=``, before the loader
+warns where it is held up (with the stuck workers' stacks): longer than any first batch of a
+healthy run (workers starting, caches filling) that the test suite or the benchmarks know of."""
+
+
 
 class _PoolSettings(NamedTuple):
     """The assignable attributes a worker pool is started with, and where its samples are
@@ -149,6 +155,10 @@ class DataLoader(Generic[_T_co]):
       code written for it runs unchanged (an int >= 1, or ``None``). It changes nothing:
       every batch is a snapshot, ``state_dict()`` is exact after any batch (see
       ``docs/migration.md``).
+    * ``stall_warning`` -- without ``timeout=``, once a batch has been awaited this many
+      seconds (default 300), warn once per epoch with an :class:`aioload.StalledWarning` naming
+      the samples held up, the worker, its pid and its Python stack; the loader goes on
+      waiting. ``None``: no warning. See ``docs/troubleshooting.md``.
     """
 
     def __init__(self, dataset: torch.utils.data.Dataset[_T_co],
@@ -162,7 +172,8 @@ class DataLoader(Generic[_T_co]):
                  read_timeout: float | None = None,
                  log_every: float | None = None, progress: bool = False, shard: bool = True,
                  executor: concurrent.futures.Executor | None = None, read_on_executor: bool = True,
-                 read_in_workers: bool | None = None, snapshot_every_n_steps: int | None = 1):
+                 read_in_workers: bool | None = None, stall_warning: float | None = STALL_WARNING,
+                 snapshot_every_n_steps: int | None = 1):
         extra: dict[str, Any] = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
         if pin_memory_device:
             extra["pin_memory_device"] = pin_memory_device
@@ -203,6 +214,7 @@ class DataLoader(Generic[_T_co]):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         check_max_errors(max_errors, on_error)
         _check_read_timeout(read_timeout, dataset)
+        _check_stall_warning(stall_warning)
         if on_error == "skip" and isinstance(dataset, IterableDataset):
             raise ValueError(
                 "on_error='skip' needs a map-style dataset: an IterableDataset's iterator cannot "
@@ -222,6 +234,7 @@ class DataLoader(Generic[_T_co]):
         self.on_error = on_error
         self.max_errors = max_errors
         self.read_timeout = read_timeout
+        self.stall_warning = stall_warning
         self.in_order = in_order
         self._user_generator = generator
         self._next_epoch = 0
@@ -233,6 +246,7 @@ class DataLoader(Generic[_T_co]):
         # epoch holds, its engine and queue, must not outlive its iterator).
         self._running: weakref.ref[EpochContext] | None = None
         self._stats = StatsRecorder()
+        self._stats.dataset = dataset  # named by attribute where the workers copy it (copy-on-read)
         self._dataset_base = dataset_figures(dataset)  # a dataset's own counters count from here
         first = BatchBound(max(1, num_workers), prefetch_factor or 2, self._torch.batch_size or 1, whole=False,
                            reads=is_split(dataset))  # until the first epoch's spec gives the bound
@@ -675,7 +689,8 @@ class DataLoader(Generic[_T_co]):
             budget=budget, collate_fn=t.collate_fn, auto_collation=t._auto_collation, batch_size=t.batch_size,
             drop_last=t.drop_last, iterable=self._iterable, seed=self.seed, on_error=self.on_error,
             device=self._device, pin=self._pin, timeout=self.timeout or None, batches=batches,
-            len_called=called, num_workers=self.num_workers, persistent=self.persistent_workers, **engine_parts,
+            len_called=called, num_workers=self.num_workers, persistent=self.persistent_workers,
+            stall_warning=self.stall_warning, **engine_parts,
         )
 
     def _start_in_process(self) -> EpochContext:
@@ -750,13 +765,24 @@ def _len_or_none(loader: DataLoader) -> int | None:
         return None
 
 
+def _check_seconds(name: str, value, none: str) -> None:
+    """``value`` is a number of seconds above 0, or ``None`` (which ``none`` explains)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds or None, got {value!r}")
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0 seconds {none}, got {value}")
+
+
+def _check_stall_warning(stall_warning) -> None:
+    _check_seconds("stall_warning", stall_warning, "(None turns the warning off)")
+
+
 def _check_read_timeout(read_timeout, dataset) -> None:
+    _check_seconds("read_timeout", read_timeout, "or None")
     if read_timeout is None:
         return
-    if isinstance(read_timeout, bool) or not isinstance(read_timeout, (int, float)):
-        raise TypeError(f"read_timeout must be a number of seconds or None, got {read_timeout!r}")
-    if not read_timeout > 0:
-        raise ValueError(f"read_timeout must be > 0 seconds or None, got {read_timeout}")
     if not is_split(dataset):
         raise ValueError(
             "read_timeout bounds Dataset.read, and this dataset has no 'async def read' (it is "

@@ -13,6 +13,7 @@ batch says exactly which samples it contains. A fault is chosen per index:
 ``"decode-error"`` decode raises ``ValueError``
 ``"strict-error"`` decode raises an exception that cannot be unpickled (keyword-only argument)
 ``"decode-hang"``  decode never returns (the worker sleeps)
+``"gil-hang"``     decode never returns, stuck in C code that holds the GIL (libc's ``sleep``)
 ``"kill"``         the worker kills itself with SIGKILL (what the out-of-memory killer does)
 ``"segv"``         the worker sends itself SIGSEGV
 ``"ctypes-segv"``  the worker dereferences a null pointer through ctypes
@@ -43,7 +44,7 @@ _BODY = struct.Struct(f"<{WIDTH}q")
 
 READ_FAULTS = frozenset({"missing", "read-error", "read-hang"})
 DECODE_FAULTS = frozenset({
-    "corrupt", "decode-error", "strict-error", "decode-hang", "kill", "segv", "ctypes-segv", "exit",
+    "corrupt", "decode-error", "strict-error", "decode-hang", "gil-hang", "kill", "segv", "ctypes-segv", "exit",
 })
 
 
@@ -117,6 +118,10 @@ def crash(fault: str, index: int) -> None:
     elif fault == "decode-hang":
         while True:
             time.sleep(3600)
+    elif fault == "gil-hang":
+        libc = ctypes.PyDLL(None)  # a PyDLL call keeps the GIL: no other thread of the worker runs
+        while True:
+            libc.sleep(3600)
     elif fault == "decode-error":
         raise ValueError(f"decode failed on purpose for index {index}")
     elif fault == "strict-error":
@@ -212,3 +217,21 @@ class FaultyBatchedDataset(FaultyMapDataset):
 
     def __getitems__(self, indices: list) -> list:
         return [self[i] for i in indices]
+
+
+class HeldDataset(torch.utils.data.Dataset):
+    """A plain dataset whose ``__getitem__(held)`` waits until the file ``release`` exists (a
+    sample stuck until the test lets it go)."""
+
+    def __init__(self, n: int, held: int, release):
+        self.n = n
+        self.held = held
+        self.release = os.fspath(release)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        while index == self.held and not os.path.exists(self.release):
+            time.sleep(0.01)
+        return index

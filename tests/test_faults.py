@@ -22,13 +22,14 @@ import subprocess
 import sys
 import textwrap
 import traceback
+import warnings
 
 import pytest
 import torch
 
 import aioload
 from tests.faulty import (
-    CollateFailsOn, FaultyBatchedDataset, FaultyDataset, FaultyMapDataset, failing_init, hanging_init, sample_path,
+    CollateFailsOn, FaultyBatchedDataset, FaultyDataset, FaultyMapDataset, HeldDataset, failing_init, hanging_init, sample_path,
     write_samples,
 )
 from tests.resources import Snapshot, aioload_threads, assert_released, gone, wait_until
@@ -259,18 +260,27 @@ def test_worker_killed_between_epochs_is_replaced(make, before, caplog):
 
 # -- a read or decode that never returns --------------------------------------------------------
 
+READ_ADVICE = r"Set read_timeout= to bound each read, or raise timeout= if batches are just slow\."
+NO_READ_ADVICE = r"Raise timeout= if batches are just slow\."
+SLEEPING = r'File ".*faulty\.py", line \d+ in crash\n  File ".*faulty\.py", line \d+ in '  # crash, then its caller
+WAITING_FOR_READS = r'File ".*reads\.py", line \d+ in wait'  # the worker's decoding waits for its reads
 HANGS = [
-    pytest.param("decode-hang", FaultyDataset, {}, r"read or decode in worker [01] \(pid \d+\)", id="decode"),
-    pytest.param("decode-hang", FaultyMapDataset, {}, r"__getitem__ in worker [01] \(pid \d+\)", id="getitem"),
-    pytest.param("read-hang", FaultyDataset, {}, r"read or decode in worker [01] \(pid \d+\)", id="read-in-worker"),
-    pytest.param("read-hang", FaultyDataset, {"read_in_workers": False}, r"read", id="read"),
+    pytest.param("decode-hang", FaultyDataset, {}, r"read or decode in worker [01] \(pid \d+\)", READ_ADVICE,
+                 SLEEPING + "decode", id="decode"),
+    pytest.param("decode-hang", FaultyMapDataset, {}, r"__getitem__ in worker [01] \(pid \d+\)", NO_READ_ADVICE,
+                 SLEEPING + "__getitem__", id="getitem"),
+    pytest.param("gil-hang", FaultyMapDataset, {}, r"__getitem__ in worker [01] \(pid \d+\)", NO_READ_ADVICE,
+                 SLEEPING + "__getitem__", id="getitem-in-c-holding-the-gil"),
+    pytest.param("read-hang", FaultyDataset, {}, r"read or decode in worker [01] \(pid \d+\)", READ_ADVICE,
+                 WAITING_FOR_READS, id="read-in-worker"),
+    pytest.param("read-hang", FaultyDataset, {"read_in_workers": False}, r"read", READ_ADVICE, None, id="read"),
     pytest.param("decode-hang", FaultyDataset, {"read_in_workers": False}, r"decode in worker [01] \(pid \d+\)",
-                 id="decode-after-loader-read"),
+                 READ_ADVICE, SLEEPING + "decode", id="decode-after-loader-read"),
 ]
 
 
-@pytest.mark.parametrize("fault, dataset, options, stage", HANGS)
-def test_timeout_names_the_stuck_index_and_stage(make, before, fault, dataset, options, stage):
+@pytest.mark.parametrize("fault, dataset, options, stage, advice, frame", HANGS)
+def test_timeout_names_the_stuck_index_and_stage(make, before, fault, dataset, options, stage, advice, frame):
     ds = make({13: fault}, dataset)
     with aioload.DataLoader(ds, batch_size=BATCH, num_workers=2, timeout=3, **options) as loader:
         it = iter(loader)
@@ -279,15 +289,66 @@ def test_timeout_names_the_stuck_index_and_stage(make, before, fault, dataset, o
             next(it)
     exc = info.value
     assert isinstance(exc, TimeoutError) and isinstance(exc, RuntimeError)
+    summary, _, stacks = str(exc).partition("\n\n")
     assert re.fullmatch(
         rf"DataLoader timed out after 3 seconds waiting for a batch: dataset index 13 {PATH} is stuck in "
-        rf"{stage}\. Set read_timeout= to bound each read, or raise timeout= if batches are just slow\.",
-        str(exc),
+        rf"{stage}\. {advice}",
+        summary,
     )
     assert [index for index, _ in exc.stuck] == [13]
     assert re.fullmatch(stage, exc.stuck[0][1])
+    if frame is None:  # stuck in the training process's own loop: no worker holds it
+        assert stacks == ""
+    else:  # the stuck worker's stack, every thread's: the frame it is stuck in, first
+        wid, pid = re.search(r"worker (\d+) \(pid (\d+)\)", exc.stuck[0][1]).groups()
+        assert stacks.startswith(f"worker {wid} (pid {pid}), every thread's stack, most recent call first:\n"), stacks
+        assert re.search(frame, stacks), stacks
     del it
     assert_released(before)  # the stuck worker was stopped
+
+
+async def _batches_async(loader) -> list:
+    return [batch async for batch in loader]
+
+
+@pytest.mark.parametrize("iterate", [list, lambda loader: asyncio.run(_batches_async(loader))], ids=["for", "async-for"])
+def test_a_long_stall_warns_once_with_the_stuck_workers_stack_and_goes_on_waiting(tmp_path, before, monkeypatch,
+                                                                                   iterate):
+    release = tmp_path / "release"
+    warned = []
+
+    def shown(message, category, filename, lineno, file=None, line=None):
+        warned.append((message, filename))
+        release.touch()  # the warning came: let the held sample go
+
+    monkeypatch.setattr("warnings.showwarning", shown)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", aioload.StalledWarning)
+        with aioload.DataLoader(HeldDataset(16, 9, release), batch_size=4, num_workers=2, stall_warning=0.5) as loader:
+            assert [b.tolist() for b in iterate(loader)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert len(warned) == 1, warned
+    message, filename = warned[0]
+    assert isinstance(message, aioload.StalledWarning) and filename == __file__  # points at the loop (or its coroutine)
+    summary, _, stacks = str(message).partition("\n\n")
+    assert re.fullmatch(r"DataLoader has waited 0\.5 seconds for a batch: dataset index 9 is stuck in __getitem__ in "
+                        r"worker ([01]) \(pid (\d+)\)\. It goes on waiting; set timeout= to fail instead, or "
+                        r"stall_warning=None to silence this\.", summary), summary
+    wid, pid = re.search(r"worker (\d) \(pid (\d+)\)", summary).groups()
+    assert stacks.startswith(f"worker {wid} (pid {pid}), every thread's stack, most recent call first:\n"), stacks
+    assert re.search(r'File ".*faulty\.py", line \d+ in __getitem__', stacks), stacks
+    assert_released(before)
+
+
+def test_stall_warning_is_a_positive_number_of_seconds_or_none(tmp_path, before):
+    release = tmp_path / "release"
+    release.touch()
+    with aioload.DataLoader(HeldDataset(16, 9, release), batch_size=4, num_workers=2, stall_warning=None) as loader:
+        assert len(list(loader)) == 4  # filterwarnings = error: a warning would fail this
+    with pytest.raises(ValueError, match=r"^stall_warning must be > 0 seconds \(None turns the warning off\), got 0$"):
+        aioload.DataLoader(HeldDataset(16, 9, release), stall_warning=0)
+    with pytest.raises(TypeError, match=r"^stall_warning must be a number of seconds or None, got 'soon'$"):
+        aioload.DataLoader(HeldDataset(16, 9, release), stall_warning="soon")
+    assert_released(before)
 
 
 def test_timeout_while_workers_start(make, before):

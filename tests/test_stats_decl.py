@@ -13,7 +13,7 @@ from aioload._observe.stats import COUNTER, DERIVED, GAUGE, STATS, LoaderStats, 
 pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "stats.md"
-SOURCES = {"recorder", "clock", "cpu", "latency", "loader"}
+SOURCES = {"recorder", "clock", "cpu", "memory", "latency", "loader"}
 
 
 def test_every_field_is_declared_with_a_kind_and_a_meaning():

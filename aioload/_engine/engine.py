@@ -165,6 +165,11 @@ class Engine:
         """``stuck`` (from :meth:`outstanding`) in words, one clause per stage."""
         return describe_stuck(stuck, self.spec.describe)
 
+    def stuck_stacks(self) -> str:
+        """The Python stacks of the workers :meth:`outstanding` last found holding a sample
+        (see :meth:`~aioload._engine.stuck.StuckReport.stacks`); ``""`` when none did."""
+        return self._stuck.stacks() if self._stuck is not None else ""
+
     # -- the thread ----------------------------------------------------------------------------
     def _run(self, started: threading.Event) -> None:
         loop = new_loop()

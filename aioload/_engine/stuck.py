@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from aioload._engine.budget import where
 from aioload._engine.spec import Mode, Reads
+from aioload._workers import stacks as _stacks
 from aioload._workers.worker import COLLATING
 
 
@@ -38,10 +39,14 @@ class StuckReport:
         self.pool = pool
         self.session = session
         self.inflight = inflight
+        # worker id -> pid of each worker that :meth:`where` found holding a sample (written
+        # on the engine's loop, read by the thread that asked, after its answer)
+        self.held: dict[int, int] = {}
 
     def where(self) -> list[tuple[Any, str]]:
         """``(index, stage)`` pairs for the oldest open batch (``index`` ``None`` when the
         stage holds the whole batch). On the engine's loop."""
+        self.held = {}
         batches = self.inflight.batches
         if not batches:
             return []
@@ -61,7 +66,9 @@ class StuckReport:
             waiting = ("waiting for a free worker" if ready == len(self.pool.ready) else
                        f"waiting for the workers to start ({ready} of {len(self.pool.ready)} ready)")
             return [(i, waiting) for i in indices] or [(None, waiting)]
-        place = f"worker {wid} (pid {self.pool.procs[wid].pid})"
+        pid = self.pool.procs[wid].pid
+        self.held[wid] = pid
+        place = f"worker {wid} (pid {pid})"
         task_id, index = self.pool.current(wid)
         stage = self.stage()
         if task_id in self.session.tasks_of(wid):
@@ -81,6 +88,13 @@ class StuckReport:
 
     def describe(self, stuck: list[tuple[Any, str]]) -> str:
         return describe_stuck(stuck, self.spec.describe)
+
+    def stacks(self) -> str:
+        """Every thread's Python stack of each worker that :meth:`where` found holding a
+        sample, one block per worker; ``""`` when none did. Blocking (about a tenth of a
+        second per worker): from the consumer's thread, never the engine's loop."""
+        return "".join(f"\n\nworker {wid} (pid {pid}), every thread's stack, most recent call first:\n"
+                       f"{_stacks.take(pid)}" for wid, pid in sorted(self.held.items()))
 
 
 def describe_stuck(stuck: list[tuple[Any, str]], describe: Callable[[Any], str] | None) -> str:

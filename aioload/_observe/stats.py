@@ -34,6 +34,8 @@ from dataclasses import dataclass, field, fields, replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable
 
+from aioload._observe import memory as _memory
+
 DATA_BOUND = 0.10
 """Waiting at least this share of the steady state makes a loop "data-bound"."""
 
@@ -55,7 +57,7 @@ SPARE_CPUS = 0.75
 """At least this many CPUs' worth of idle time means there is room for another worker."""
 
 CATEGORIES = (
-    "no-batches", "starting", "not-data-bound", "in-process", "decode-bound", "too-many-workers",
+    "no-batches", "starting", "copy-on-read", "not-data-bound", "in-process", "decode-bound", "too-many-workers",
     "cpu-contention", "decode-blocked", "shard-bound", "read-bound", "read-latency-bound", "executor-saturated",
     "executor-underused", "unexplained",
 )
@@ -79,7 +81,8 @@ class Stat:
     source: str = ""
     """``"recorder"``: a :class:`StatsRecorder` attribute of the same name (``reset`` sets it
     to the field's default); ``"clock"``: the recorder's epoch clock; ``"cpu"``: the
-    :class:`CpuWindow` totals; ``"latency"``: the
+    :class:`CpuWindow` totals; ``"memory"``: the
+    :class:`~aioload._observe.memory.MemoryWindow`'s figures; ``"latency"``: the
     read latency ring; ``"loader"``: a live figure the loader passes to ``snapshot``;
     ``""`` for a derived figure."""
     formula: Callable[[Any], Any] | None = None
@@ -187,7 +190,28 @@ class LoaderStats:
     per_source: dict = field(default_factory=dict, metadata=_stat(
         COUNTER, "with an `aioload.Mix`: samples delivered from each source, by name", "samples", "loader"))
     shm_bytes: int = field(default=0, metadata=_stat(
-        GAUGE, "shared memory held by batch slots", "bytes", "recorder"))
+        GAUGE, "shared memory held by batch slots (memfds)", "bytes", "recorder"))
+    process_pss_bytes: int = field(default=0, metadata=_stat(
+        GAUGE, "the training process's proportional set size (`/proc/self/smaps_rollup`: its private pages, "
+               "plus each shared page divided among the processes that map it), as last measured (see Memory "
+               "below)", "bytes", "memory"))
+    process_peak_pss_bytes: int = field(default=0, metadata=_stat(
+        GAUGE, "the highest `process_pss_bytes` measured", "bytes", "memory"))
+    worker_pss_bytes: tuple = field(default=(), metadata=_stat(
+        GAUGE, "each running worker's proportional set size as last measured, by worker id", "bytes",
+        "memory"))
+    worker_peak_pss_bytes: tuple = field(default=(), metadata=_stat(
+        GAUGE, "each worker's highest PSS measured (at each epoch's first batch and end, and by `stats()`)",
+        "bytes", "memory"))
+    worker_private_bytes: tuple = field(default=(), metadata=_stat(
+        GAUGE, "each worker's private memory as last measured (USS: pages no other process maps)", "bytes",
+        "memory"))
+    worker_growth_bytes: tuple = field(default=(), metadata=_stat(
+        GAUGE, "how much each worker's private memory grew over the last epoch that ended, from its first "
+               "batch (copy-on-read shows here)", "bytes", "memory"))
+    copy_on_read: str = field(default="", metadata=_stat(
+        GAUGE, "the dataset's large Python containers (100,000 items or more), named by attribute, once a worker "
+               "grew more than 64 MB over an epoch (the `CopyOnReadWarning`); empty otherwise", "", "recorder"))
     executor: str = field(default="", metadata=_stat(
         GAUGE, "with `executor=`: which one (a Dask cluster by its scheduler's address)", "", "loader"))
     executor_tasks: int = field(default=0, metadata=_stat(
@@ -357,6 +381,11 @@ def diagnose(s: LoaderStats) -> tuple[str, str]:
         return "no-batches", "no batches delivered yet"
     if s.elapsed_s - s.first_batch_s <= 0:
         return "starting", f"only the first batch so far ({s.first_batch_s:.2f} s to start)"
+    if s.copy_on_read:
+        grown = max(s.worker_growth_bytes, default=0)
+        return "copy-on-read", (f"memory: the workers copy the dataset's large Python containers as they read them "
+                                f"({s.copy_on_read}; up to {_bytes(grown)} a worker over the last epoch): hold them "
+                                "in aioload.StringList, numpy arrays or Arrow tables")
     if s.wait_fraction < DATA_BOUND:
         return "not-data-bound", (f"not data-bound (waiting {s.wait_fraction:.0%} of the time): the training "
                                   "step sets the pace")
@@ -552,12 +581,22 @@ def format_stats(stats: LoaderStats) -> str:
                         "back per batch")] if s.executor else []),
         ("skipped", skipped),
         ("worker restarts", f"{s.worker_restarts}"),
-        ("shared memory", _bytes(s.shm_bytes)),
+        ("memory", _memory_row(s)),
         ("CPUs", s.cpu_evidence),
         ("verdict", f"[{s.verdict_category}] {s.verdict}"),
     ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {text}" for label, text in rows)
+
+
+def _memory_row(s: LoaderStats) -> str:
+    workers = ""
+    if s.worker_pss_bytes:
+        workers = (f"; workers {', '.join(_bytes(n) for n in s.worker_pss_bytes)} (peak "
+                   f"{_bytes(max(s.worker_peak_pss_bytes))}), of which private "
+                   f"{', '.join(_bytes(n) for n in s.worker_private_bytes)}, grown "
+                   f"{', '.join(_bytes(n) for n in s.worker_growth_bytes)} over the last epoch")
+    return f"PSS: this process {_bytes(s.process_pss_bytes)}{workers}; batch slots {_bytes(s.shm_bytes)} shared"
 
 
 def _reads_row(s: LoaderStats) -> str:
@@ -699,7 +738,7 @@ SKIPPED_KEPT = 10_000
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
-def _outside_frames() -> int:
+def outside_frames() -> int:
     """The ``stacklevel`` of the first caller outside aioload (the loop that iterates a loader)."""
     frame: FrameType | None = sys._getframe(1)
     level = 1
@@ -718,6 +757,7 @@ class StatsRecorder:
     RING = 2048
 
     if TYPE_CHECKING:  # the counters (``batches``, ``reads``, ...) are set by reset() from STATS
+        copy_on_read: str
         def __getattr__(self, name: str) -> Any: ...
 
         def __setattr__(self, name: str, value: Any) -> None: ...
@@ -728,6 +768,10 @@ class StatsRecorder:
         # A BlockingReadWarning found where the reads run, for the consumer's thread to warn
         # with; then True (once per loader: not reset with the counters).
         self.stall: Warning | bool | None = None
+        self.dataset: Any = None  # set by the loader: walked for copy-on-read's culprits
+        # each worker's memory, by worker id (gauges: not reset with the counters)
+        self._memory = _memory.MemoryWindow(lambda: self.worker_pids())
+        self._copying: Warning | None = None  # a CopyOnReadWarning for the consumer's thread to give
         self.reset()
 
     def reset(self) -> None:
@@ -800,7 +844,7 @@ class StatsRecorder:
         stall = self.stall
         if isinstance(stall, Warning):
             self.stall = True
-            warnings.warn(stall, stacklevel=_outside_frames())
+            warnings.warn(stall, stacklevel=outside_frames())
 
     def _keep_latency(self, seconds: float) -> None:
         """Into the ring of the :attr:`RING` most recent read latencies."""
@@ -828,6 +872,7 @@ class StatsRecorder:
             self._epoch_start = self._epoch_last = now
             self._first_pending = True
             self._cpu.open()
+        self._warn_copying()
 
     def delivered(self, samples: int, waited: float) -> None:
         """A batch was handed over after ``waited`` seconds inside ``__next__``."""
@@ -840,6 +885,7 @@ class StatsRecorder:
                 self._cpu.open()
             if self._first_pending:
                 self.first_batch_samples += samples
+                self._memory.open()  # each worker's private memory from here to the epoch's end
             self._account_wait(now, waited)
             self.batches += 1
             self.samples += samples
@@ -852,6 +898,7 @@ class StatsRecorder:
                 return
             self._account_wait(now, waited)
             self._close_epoch()
+        self._warn_copying()
 
     def _account_wait(self, now: float, waited: float) -> None:
         """Charge ``waited`` to the epoch's start-up (first batch) or to waiting (with the lock)."""
@@ -868,6 +915,26 @@ class StatsRecorder:
             self._closed_s += self._epoch_last - self._epoch_start
             self._epoch_start = None
             self._cpu.close()
+            self._copied(self._memory.close())
+
+    def _copied(self, growth: int) -> None:
+        """The epoch's largest worker growth: past :data:`~aioload._observe.memory.GROWTH_WARNING`,
+        the dataset's large containers are named (once per loader)."""
+        if growth <= _memory.GROWTH_WARNING or self.copy_on_read or self.dataset is None:
+            return
+        found = _memory.large_containers(self.dataset)
+        if not found:
+            return
+        self.copy_on_read = ", ".join(f"{path} ({items:,} items)" for path, _, items in found)
+        grown = [(m.growth, wid, m.pid) for wid, m in enumerate(self._memory.known) if m is not None]
+        most, wid, pid = max(grown)
+        self._copying = _memory.copy_on_read_warning(found, wid, pid, most, self.epochs - 1)
+
+    def _warn_copying(self) -> None:
+        """In the consumer's thread, outside the lock: the copy-on-read warning, if one waits."""
+        copying, self._copying = self._copying, None
+        if copying is not None:
+            warnings.warn(copying, stacklevel=outside_frames())
 
     def _elapsed(self) -> float:
         if self._epoch_start is None:
@@ -896,5 +963,6 @@ class StatsRecorder:
                           skipped=tuple(self.skipped), **self._cpu.totals())
         values["read_p50_ms"] = _percentile(latencies, 0.5) * 1e3
         values["read_p99_ms"] = _percentile(latencies, 0.99) * 1e3
+        values.update(self._memory.figures())
         values.update(gauges)
         return LoaderStats(**values)

@@ -40,13 +40,15 @@ from aioload._parquet.values import PageError
 from aioload._parquet.rowgroups import Chunks, RowGroupCache, fetch, ranges
 from aioload._shards.urls import shard_urls
 from aioload._storage import scope as _scope
+from aioload._storage.cache import LoaderShare
 from aioload._storage.storage import Storage, locate
 from aioload._strings import StringList
 
 logger = logging.getLogger("aioload")
 
-CACHE_BYTES = 512 << 20
-"""The default bound on each process's row group cache (fetched bytes, counted twice)."""
+CACHE_BYTES = None
+"""The default ``cache_bytes``: one bound for the loader's processes together, half for row
+groups and half for pages, split among the workers (:class:`aioload._storage.cache.LoaderShare`)."""
 
 
 def _glob(url: str, options: Mapping[str, Any]) -> list[str]:
@@ -134,7 +136,9 @@ class Parquet(Dataset):
       row groups at a time, which each worker fetches once (see ``docs/parquet.md``).
     * ``cache_bytes`` -- the bound on the row groups each process keeps (fetched bytes, counted
       twice for the decoded table), and in uniform mode on the pages it keeps besides; window
-      mode always keeps its ``k + 2`` latest row groups.
+      mode always keeps its ``k + 2`` latest row groups. ``None`` (default): one bound for the
+      loader's processes together (1 GiB, or an eighth of the memory its cgroup allows if less),
+      half to row groups and half to pages, split evenly among the workers.
     * ``storage`` -- an :class:`aioload.Storage` (retries, timeouts, credentials).
     * ``footer_cache`` -- where footers are kept between runs: ``True`` (default:
       ``$AIOLOAD_CACHE/parquet-footer``), a folder, or ``False``.
@@ -151,13 +155,14 @@ class Parquet(Dataset):
                  decode: Callable[[dict[str, Any]], Any] | None = None, *,
                  transform: Callable[[dict[str, Any]], Any] | None = None,
                  images: Sequence[str] | None = None, audio: Mapping[str, Any] | None = None,
-                 window: int | None = None, cache_bytes: int = CACHE_BYTES,
+                 window: int | None = None, cache_bytes: int | None = CACHE_BYTES,
                  storage: Storage | None = None, footer_cache: bool | str | os.PathLike = True):
         _footer.pyarrow_parquet()
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
-        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
-            raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+        if cache_bytes is not None and (isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int)
+                                        or cache_bytes < 0):
+            raise ValueError(f"cache_bytes must be an int >= 0 or None, got {cache_bytes!r}")
         for name, fn in (("decode", decode), ("transform", transform)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a function of the row dict, or None, got {type(fn).__name__}")
@@ -194,9 +199,12 @@ class Parquet(Dataset):
         self._leaves = [np.array([i for c in self.columns for i in f.leaves[c]], dtype=np.int64)
                         for f in self._footers]
         keep = window + 2 if window is not None else 1
-        self._cache: RowGroupCache[Chunks] = RowGroupCache(cache_bytes, keep)
+        # None: the loader-wide bound, half each to row groups and pages, split among the workers
+        rows_bound = cache_bytes if cache_bytes is not None else LoaderShare(fraction=0.5 if window is None else 1.0)
+        pages_bound = cache_bytes if cache_bytes is not None else LoaderShare(fraction=0.5)
+        self._cache: RowGroupCache[Chunks] = RowGroupCache(rows_bound, keep)
         # a uniform shuffle reads by page the columns whose files have a page index
-        self._pages = PageReader(cache_bytes) if window is None else None
+        self._pages = PageReader(pages_bound) if window is None else None
         self._parsed: dict[int, Any] = {}
         self._plans: dict[int, FilePages | None] = {}
 

@@ -14,7 +14,7 @@ into a column's value with :mod:`aioload._parquet.values`.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, SupportsInt
 
 import numpy as np
 
@@ -86,7 +86,7 @@ class PageReader:
     """The pages of one dataset's files, fetched and kept in this process: the page index of
     each file (once) and the pages rows need (bounded by ``max_bytes``)."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: SupportsInt):
         self.max_bytes = max_bytes
         self.pages: RowGroupCache[Piece] = RowGroupCache(max_bytes, 1)
         self.indexes: RowGroupCache[Piece] = RowGroupCache(1 << 62, 1)  # a file's page index is a few bytes a page: kept

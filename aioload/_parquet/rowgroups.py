@@ -19,7 +19,7 @@ import asyncio
 import io
 import threading
 from collections import OrderedDict
-from typing import Any, Awaitable, Callable, Generic, Hashable, Protocol, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Hashable, Protocol, SupportsInt, TypeVar
 
 import numpy as np
 
@@ -155,7 +155,7 @@ class RowGroupCache(Generic[T]):
     groups). A row group being fetched is shared by every read that asks for it meanwhile.
     Pages (:mod:`aioload._parquet.pages`) are kept in one too: any entry with ``nbytes``."""
 
-    def __init__(self, max_bytes: int, keep: int = 1):
+    def __init__(self, max_bytes: SupportsInt, keep: int = 1):
         self.max_bytes, self.keep = max_bytes, keep
         self._done: OrderedDict[Hashable, T] = OrderedDict()
         self._weight = 0
@@ -201,7 +201,7 @@ class RowGroupCache(Generic[T]):
             self.fetches += 1
             self._done[key] = chunks
             self._weight += chunks.nbytes
-            while self._weight > self.max_bytes and len(self._done) > self.keep:
+            while self._weight > int(self.max_bytes) and len(self._done) > self.keep:  # an int, or a LoaderShare
                 _, dropped = self._done.popitem(last=False)
                 self._weight -= dropped.nbytes
         return chunks

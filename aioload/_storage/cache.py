@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Union
 
-__all__ = ["CacheKey", "CacheStats", "MemoryCache", "check_budget", "range_key"]
+__all__ = ["CacheKey", "CacheStats", "LoaderShare", "MemoryCache", "check_budget", "loader_cache_bytes", "range_key"]
 
 CacheKey = Union[str, bytes, tuple]  # a path or URL (whole objects), or a range_key()
 
@@ -148,3 +148,70 @@ class MemoryCache:
 
     def __repr__(self) -> str:
         return f"MemoryCache(max_bytes={self.max_bytes}, eviction={self.eviction!r})"
+
+
+# -- one bound for a loader's processes together ------------------------------------------------
+
+LOADER_CACHE_BYTES = 1 << 30
+"""The default bound on what the caches of one loader's processes hold together (Parquet's row
+groups and pages): 1 GiB, or an eighth of the memory this process may use if that is less.
+Per-process defaults multiplied with ``num_workers`` (512 MiB of row groups plus 512 MiB of
+pages per worker: 8 GiB at 8 workers, kept across epochs); this one does not."""
+
+
+def memory_limit(cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """The bytes this process may use: its cgroup's limit (v2 ``memory.max``, v1
+    ``memory/memory.limit_in_bytes``) where one is set, else the machine's memory
+    (``/proc/meminfo``); ``None`` where neither can be read."""
+    for path in (f"{cgroup}/memory.max", f"{cgroup}/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # v1 says "no limit" with a huge number
+            return int(text)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def loader_cache_bytes(cgroup: str = "/sys/fs/cgroup") -> int:
+    """The default loader-wide cache bound: :data:`LOADER_CACHE_BYTES`, or an eighth of
+    :func:`memory_limit` where that is less."""
+    limit = memory_limit(cgroup)
+    return LOADER_CACHE_BYTES if limit is None else min(LOADER_CACHE_BYTES, limit // 8)
+
+
+class LoaderShare:
+    """A cache bound that a loader's processes share: ``int(share)`` is this process's part,
+    ``total * fraction`` split evenly among the loader's workers in a worker (torch's
+    ``get_worker_info()``), all of it in the training process (``num_workers=0``). Decided in
+    the process that uses it, once per process (a forked worker's copy decides again).
+    ``total`` ``None``: :func:`loader_cache_bytes`."""
+
+    def __init__(self, total: int | None = None, fraction: float = 1.0):
+        self.total, self.fraction = total, fraction
+        self._mine: tuple[int, int] | None = None  # (pid, bytes)
+
+    def __int__(self) -> int:
+        pid = os.getpid()
+        if self._mine is None or self._mine[0] != pid:
+            import torch.utils.data
+
+            info = torch.utils.data.get_worker_info()
+            total = loader_cache_bytes() if self.total is None else self.total
+            self._mine = (pid, int(total * self.fraction) // (info.num_workers if info is not None else 1))
+        return self._mine[1]
+
+    def __getstate__(self):  # a spawned worker decides its own part
+        return {"total": self.total, "fraction": self.fraction, "_mine": None}
+
+    def __repr__(self) -> str:
+        total = "loader_cache_bytes()" if self.total is None else self.total
+        return f"LoaderShare({total} x {self.fraction} over the workers)"

@@ -2,6 +2,8 @@
 ``worker`` (the process's loop: tasks in, rows out), ``reads`` (``dataset.read`` on the
 worker's own event loop), ``fetches`` (window mode's shards received by a worker and handed to
 the training process as memfds), ``state`` (the Stateful protocol for a worker's copy of an
-``IterableDataset``: its state captured after each batch, given back on resume), ``messages`` (every message between the two sides, typed) and
+``IterableDataset``: its state captured after each batch, given back on resume), ``stacks`` (every
+thread's Python stack of a worker, taken from outside it for the stuck report), ``messages``
+(every message between the two sides, typed) and
 ``wire`` (their framing on a socket).
 """

@@ -35,6 +35,7 @@ from aioload._handoff import shared as _shared
 from aioload._handoff.shm import Segment, recv_fd, send_fd
 from aioload._workers.fetches import ShardFetches
 from aioload._workers.reads import FailedRead, WorkerReads
+from aioload._workers import stacks as _stacks
 from aioload._workers.state import CopyState, dataset_note, load_dataset_state
 
 SLOT_HEADER = struct.Struct("<qq")
@@ -508,6 +509,7 @@ def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=(), par
                 os.close(fd)
     # Ctrl-C is the parent's business: it stops the workers in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _stacks.install()  # every thread's stack on request, even stuck in C code (the stuck report)
     torch.set_num_threads(1)
     progress_memory, progress = _receive_progress(ctrl)
     worker = _Worker(worker_id, cfg, sock, ctrl, progress)
