@@ -324,6 +324,7 @@ class DataLoader(Generic[_T_co]):
     def close(self) -> None:
         """Stop the epoch in progress and the worker processes. Idempotent."""
         self._res.close()
+        self._stats.settle()  # a memory measurement under way ends with the loader
         if self._monitor is not None:
             self._monitor.end_epoch()
         self._finalizer.detach()

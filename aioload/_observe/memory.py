@@ -130,6 +130,10 @@ class MemoryWindow:
         self._thread = threading.Thread(target=target, name="aioload-memory")
         self._thread.start()
 
+    def join(self) -> None:
+        """Wait for the measurement under way, if any (the loader's ``close()``)."""
+        self._join()
+
     def _join(self) -> None:
         thread, self._thread = self._thread, None
         if thread is not None:

@@ -953,6 +953,10 @@ class StatsRecorder:
             return (self.batches, self.wait_s, self.reads, self.read_s, self.bytes_read,
                     self.decode_s, self.decoded)
 
+    def settle(self) -> None:
+        """No measurement thread left running (the loader's ``close()``)."""
+        self._memory.join()
+
     def snapshot(self, **gauges) -> LoaderStats:
         """Freeze the counters; ``gauges`` are the live figures only the loader knows
         (``queue_occupancy``, ``io_concurrency``, ``queue_depth``, ``num_workers``, ...)."""
