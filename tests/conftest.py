@@ -45,3 +45,14 @@ def threads():
 def private_cache(tmp_path, monkeypatch):
     """``$AIOLOAD_CACHE`` in the test's own folder: no index or footer kept by another test."""
     monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def start_method(request):
+    """The interpreter's default start method during the test (the test's ``start_method``
+    parameter, given with ``indirect=True``), as Python 3.14 makes ``forkserver`` the default on
+    Linux and macOS has only ``spawn``; the one before is restored after."""
+    previous = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(request.param, force=True)
+    yield request.param
+    multiprocessing.set_start_method(previous, force=True)
