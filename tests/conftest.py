@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import threading
 
 import pytest
@@ -53,6 +55,12 @@ def start_method(request):
     parameter, given with ``indirect=True``), as Python 3.14 makes ``forkserver`` the default on
     Linux and macOS has only ``spawn``; the one before is restored after."""
     previous = multiprocessing.get_start_method(allow_none=True)
+    if request.param != "fork":
+        # the interpreter's helpers, started by its first spawn or forkserver child and kept for
+        # the session: a test that compares snapshots takes its own after this fixture
+        multiprocessing.resource_tracker.ensure_running()
+        if request.param == "forkserver":
+            multiprocessing.forkserver.ensure_running()
     multiprocessing.set_start_method(request.param, force=True)
     yield request.param
     multiprocessing.set_start_method(previous, force=True)

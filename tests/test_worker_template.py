@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import multiprocessing.forkserver
-import multiprocessing.resource_tracker
 import os
 import threading
 
@@ -52,10 +50,8 @@ class StartsAThread(Counted):
 
 @pytest.fixture(scope="module", autouse=True)
 def warm(tmp_path_factory):
-    """One loader before any snapshot, the interpreter's resource tracker (started by the first
-    spawn of a session) and its forkserver: process-wide handles, not a loader's to release."""
-    multiprocessing.resource_tracker.ensure_running()
-    multiprocessing.forkserver.ensure_running()
+    """One loader before any snapshot: lazily opened, process-wide handles are then part of
+    every baseline."""
     with aioload.DataLoader(Counted(str(tmp_path_factory.mktemp("warm") / "tally")), batch_size=4,
                             num_workers=1, multiprocessing_context="fork") as loader:
         list(loader)
@@ -77,7 +73,7 @@ def rows(loader) -> list[list[int]]:
 @pytest.mark.parametrize(("start_method", "explicit"), [("spawn", False), ("forkserver", True)],
                          indirect=["start_method"])
 def test_the_dataset_is_unpickled_once_and_every_worker_is_forked_from_that_copy(tmp_path, start_method, explicit):
-    before = Snapshot.take()
+    before = Snapshot.take()  # after start_method's fixture: the interpreter's helpers are running
     tally, inits = tmp_path / "unpickled", tmp_path / "inits"
     kwargs = dict(multiprocessing_context=start_method) if explicit else {}
     loader = aioload.DataLoader(Counted(str(tally)), batch_size=4, num_workers=2, persistent_workers=True,
