@@ -76,26 +76,15 @@ def unavailable(method: str) -> str:
     return ""
 
 
-def _threads() -> int:
-    """This process's threads as the kernel counts them (native ones included)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Threads:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return threading.active_count()
-
-
 def _unsafe_to_fork(threads_before: int) -> str:
     """Why this process, having unpickled the configuration, must not fork ('' where it may).
-    ``threads_before``: its threads before (importing torch starts one of its own, which a
-    ``fork`` worker's training process has too)."""
+    ``threads_before``: its Python threads before. Native threads of the libraries it imported
+    (torch's, OpenBLAS's pool when numpy is imported) are not counted: every ``fork`` worker's
+    training process has them too, and those libraries make themselves safe to fork."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "unpickling the dataset initialised CUDA, and a process that has must not fork"
-    started = _threads() - threads_before
+    started = threading.active_count() - threads_before
     if started > 0:
         return f"unpickling the dataset started {started} thread(s), which a forked worker would not have"
     return ""
@@ -104,7 +93,7 @@ def _unsafe_to_fork(threads_before: int) -> str:
 def template_main(sock: socket.socket, parent: int) -> None:
     """Entry point of the template process; ``parent``: the training process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's business
-    threads = _threads()
+    threads = threading.active_count()
     try:
         parent_fd = os.pidfd_open(parent)
     except ProcessLookupError:
