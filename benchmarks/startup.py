@@ -91,14 +91,9 @@ def unfreeze(worker_id: int) -> None:
 
 
 def pss_kb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return 0
+    from aioload._tools.bench import _pss_kb
+
+    return _pss_kb(pid)
 
 
 def group(pgid: int) -> list[int]:

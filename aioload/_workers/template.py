@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from typing import NamedTuple
 
 from aioload._handoff.shm import anonymous_fd
@@ -135,7 +136,12 @@ def _serve(sock: socket.socket, parent_fd: int, cfg, parent: int) -> None:
             if not header:
                 return  # the pool closed its end
             wid = _HEADER.unpack(header)[0]
-            pid = os.fork()
+            with warnings.catch_warnings():
+                # Python >= 3.12 warns of any thread at a fork: here only the native ones of the
+                # imported libraries (torch's), as in every fork worker's training process; a
+                # Python thread started by unpickling rules the template out (_unsafe_to_fork)
+                warnings.filterwarnings("ignore", r"This process .* is multi-threaded", DeprecationWarning)
+                pid = os.fork()
             if pid == 0:
                 _worker(wid, cfg, fds, [sock.fileno(), parent_fd, *children], parent)
             for fd in fds:
