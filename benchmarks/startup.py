@@ -41,6 +41,8 @@ import subprocess
 import sys
 import time
 
+from aioload._tools.bench import _pss_kb as pss_kb
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1 << 30
 
@@ -88,12 +90,6 @@ class Storage:
 
 def unfreeze(worker_id: int) -> None:
     gc.unfreeze()
-
-
-def pss_kb(pid: int) -> int:
-    from aioload._tools.bench import _pss_kb
-
-    return _pss_kb(pid)
 
 
 def group(pgid: int) -> list[int]:
