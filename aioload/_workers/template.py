@@ -130,7 +130,8 @@ def _serve(sock: socket.socket, parent_fd: int, cfg, parent: int) -> None:
                 wid, pid = children.pop(pidfd)
                 os.close(pidfd)
                 _, status = os.waitpid(pid, 0)
-                _wire.send_blocking(sock, Exited(wid, os.waitstatus_to_exitcode(status)))
+                if not _tell(sock, Exited(wid, os.waitstatus_to_exitcode(status))):
+                    return
         if sock in ready:
             header, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, 2)
             if not header:
@@ -147,7 +148,18 @@ def _serve(sock: socket.socket, parent_fd: int, cfg, parent: int) -> None:
             for fd in fds:
                 os.close(fd)
             children[os.pidfd_open(pid)] = (wid, pid)
-            _wire.send_blocking(sock, Forked(wid, pid))
+            if not _tell(sock, Forked(wid, pid)):
+                return
+
+
+def _tell(sock: socket.socket, message) -> bool:
+    """Send ``message`` to the pool; ``False`` where the pool has gone away (its workers, which
+    watch the training process themselves, go on or end without this process)."""
+    try:
+        _wire.send_blocking(sock, message)
+    except OSError:
+        return False
+    return True
 
 
 def _worker(wid: int, cfg, fds: list[int], inherited: list[int], parent: int) -> None:
@@ -193,6 +205,9 @@ class Template:
         self.proc = context.Process(target=template_main, args=(theirs, os.getpid()), name="aioload-template")
         try:
             self.proc.start()
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         fd = anonymous_fd(max(1, len(payload)), "aioload-worker-config")
