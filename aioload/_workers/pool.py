@@ -55,7 +55,9 @@ _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 
 
 class WorkerPool:
-    """``num_workers`` processes, each holding one copy of the dataset."""
+    """``num_workers`` processes, each holding the dataset: forked from the training process
+    (``fork``) or from a template that unpickled it once (``spawn``, ``forkserver``; see
+    :mod:`aioload._workers.template`), they share its pages; else each has a copy of its own."""
 
     def __init__(self, cfg: WorkerConfig, num_workers: int, context):
         self.num_workers = num_workers
