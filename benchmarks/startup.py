@@ -140,7 +140,7 @@ def cell(loader_name: str, method: str, gb: float, workers: int, storage: bool, 
         pass
     if loader_name == "aioload":
         pids = [proc.pid for proc in loader._res.pool.procs]
-        how = loader.stats().worker_start
+        how = getattr(loader.stats(), "worker_start", "")  # an older aioload, to compare, has none
     else:
         pids = [proc.pid for proc in it._workers]
         how = ""
