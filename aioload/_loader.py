@@ -469,7 +469,8 @@ class DataLoader(Generic[_T_co]):
             io = self._stats.worker_read_limit() or start * settings.num_workers
             ceiling = most * settings.num_workers
         gauges = dict(queue_occupancy=len(engine.ready) if engine is not None else 0, io_concurrency=io,
-                      io_auto=auto, io_ceiling=ceiling, queue_depth=depth, num_workers=self.num_workers)
+                      io_auto=auto, io_ceiling=ceiling, queue_depth=depth, num_workers=self.num_workers,
+                      worker_start=self._res.pool.start_method if self._res.pool is not None else "")
         if self._res.executor is not None:
             gauges.update(self._res.executor.figures(), num_workers=self._executor_spec().num_workers)
         tally = self._planner.tally

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import threading
 
 import pytest
@@ -45,3 +47,20 @@ def threads():
 def private_cache(tmp_path, monkeypatch):
     """``$AIOLOAD_CACHE`` in the test's own folder: no index or footer kept by another test."""
     monkeypatch.setenv("AIOLOAD_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def start_method(request):
+    """The interpreter's default start method during the test (the test's ``start_method``
+    parameter, given with ``indirect=True``), as Python 3.14 makes ``forkserver`` the default on
+    Linux and macOS has only ``spawn``; the one before is restored after."""
+    previous = multiprocessing.get_start_method(allow_none=True)
+    if request.param != "fork":
+        # the interpreter's helpers, started by its first spawn or forkserver child and kept for
+        # the session: a test that compares snapshots takes its own after this fixture
+        multiprocessing.resource_tracker.ensure_running()
+        if request.param == "forkserver":
+            multiprocessing.forkserver.ensure_running()
+    multiprocessing.set_start_method(request.param, force=True)
+    yield request.param
+    multiprocessing.set_start_method(previous, force=True)

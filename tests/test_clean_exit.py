@@ -20,6 +20,7 @@ import pytest
 PROGRAM = textwrap.dedent('''
     import asyncio
     import logging
+    import multiprocessing
     import sys
 
     import torch
@@ -102,19 +103,24 @@ PROGRAM = textwrap.dedent('''
         print("ok")
 
 
-    asyncio.run(main())
+    if __name__ == "__main__":  # spawn and forkserver run this module again in the workers' template
+        if len(sys.argv) > 3:
+            multiprocessing.set_start_method(sys.argv[3])  # the interpreter's default, as 3.14 sets it
+        asyncio.run(main())
 ''')
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("workers", [0, 2])
-def test_no_output_on_stderr(tmp_path, workers, mode):
+@pytest.mark.parametrize(("workers", "mode", "method"), [
+    (0, "sync", None), (0, "async", None), (2, "sync", None), (2, "async", None),
+    (2, "sync", "spawn"), (2, "async", "forkserver"),
+])
+def test_no_output_on_stderr(tmp_path, workers, mode, method):
     script = tmp_path / "program.py"
     script.write_text(PROGRAM)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONASYNCIODEBUG="1", PYTHONPATH=os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run([sys.executable, "-X", "dev", str(script), str(workers), mode],
+    done = subprocess.run([sys.executable, "-X", "dev", str(script), str(workers), mode, *([method] if method else [])],
                           capture_output=True, text=True, timeout=100, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "ok\n"

@@ -22,7 +22,7 @@ import torch
 
 import aioload
 from tests.faulty import FaultyMapDataset, write_samples
-from tests.resources import gone, wait_until
+from tests.resources import children, gone, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,8 +37,19 @@ _KEPT: list = []
 """What a child keeps alive until it exits (an iterator in the middle of its epoch)."""
 
 
-def _worker_pids() -> list[int]:
-    return [p.pid for p in multiprocessing.active_children() if p.name.startswith("aioload-worker")]
+def _worker_pids(loader=None) -> list[int]:
+    """``loader``'s workers (a worker that its template has not forked yet included), else this
+    process's: multiprocessing's children of that name, and those that a template forked (spawn
+    and forkserver; a spawned child's loaders use spawn too)."""
+    if loader is not None and loader._res.pool is not None:
+        return [proc.pid for proc in loader._res.pool.procs]
+    found = []
+    for proc in multiprocessing.active_children():
+        if proc.name.startswith("aioload-worker"):
+            found.append(proc.pid)
+        elif proc.name == "aioload-template":
+            found += sorted(children(proc.pid))
+    return found
 
 
 def _stall_then_raise(root, conn) -> None:
@@ -50,7 +61,7 @@ def _stall_then_raise(root, conn) -> None:
         for _ in loader:
             pass
     finally:
-        conn.send(_worker_pids())
+        conn.send(_worker_pids(loader))
 
 
 def _return_mid_epoch(root, conn) -> None:
@@ -58,7 +69,7 @@ def _return_mid_epoch(root, conn) -> None:
     loader = aioload.DataLoader(FaultyMapDataset(root, N), batch_size=4, num_workers=2, timeout=60)
     _KEPT.append(iter(loader))
     next(_KEPT[-1])
-    conn.send(_worker_pids())
+    conn.send(_worker_pids(loader))
 
 
 @contextlib.contextmanager
@@ -111,7 +122,7 @@ def _hang_in_decode(root, flag, method, conn) -> None:
     deadline = time.monotonic() + HANG_GUARD
     while os.path.exists(flag) and time.monotonic() < deadline:
         time.sleep(0.05)
-    conn.send(_worker_pids())
+    conn.send(_worker_pids(loader))
     time.sleep(3600)
 
 

@@ -181,7 +181,8 @@ def test_collate_fn_error_names_the_batch(make, before, workers):
     assert_released(before)
 
 
-def test_worker_init_fn_error_reaches_the_consumer(make, before):
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"], indirect=True)
+def test_worker_init_fn_error_reaches_the_consumer(make, start_method, before):
     loader = aioload.DataLoader(make(), batch_size=BATCH, num_workers=2, worker_init_fn=failing_init, timeout=20)
     with loader:
         with pytest.raises(ConnectionError) as info:
@@ -207,9 +208,17 @@ CRASHES = [
 ]
 
 
-@pytest.mark.parametrize("fault, dataset, exitcode, torch_how, how", CRASHES)
-def test_worker_crash_raises_worker_crashed_error_then_a_fresh_pool_serves(make, before, fault, dataset, exitcode,
-                                                                          torch_how, how):
+# every crash with fork, and two of them with the start methods whose workers a template forks
+# (the interpreter's default: forkserver from Python 3.14 on Linux, spawn on macOS)
+CRASHES_BY_START = [pytest.param("fork", *case.values, id=case.id) for case in CRASHES] + [
+    pytest.param(method, *case.values, id=f"{case.id}-{method}")
+    for method, case in (("forkserver", CRASHES[0]), ("spawn", CRASHES[3]))]
+
+
+@pytest.mark.parametrize("start_method, fault, dataset, exitcode, torch_how, how", CRASHES_BY_START,
+                         indirect=["start_method"])
+def test_worker_crash_raises_worker_crashed_error_then_a_fresh_pool_serves(make, start_method, before, fault, dataset,
+                                                                          exitcode, torch_how, how):
     ds = make({13: fault}, dataset, once=True)
     with aioload.DataLoader(ds, batch_size=BATCH, num_workers=2, timeout=20) as loader:
         with pytest.raises(aioload.WorkerCrashedError) as info:
@@ -242,10 +251,11 @@ def test_crashed_loader_can_be_closed_without_iterating_again(make, before):
     assert_released(before)
 
 
-def test_worker_killed_between_epochs_is_replaced(make, before, caplog):
+@pytest.mark.parametrize("start_method", ["fork", "spawn"], indirect=True)
+def test_worker_killed_between_epochs_is_replaced(make, start_method, before, caplog):
     with aioload.DataLoader(make(), batch_size=BATCH, num_workers=2, timeout=20) as loader:
         assert sorted(collect(loader)) == list(range(N))
-        workers = [p for p in multiprocessing.active_children() if p.name.startswith("aioload-worker")]
+        workers = loader._res.pool.procs
         assert len(workers) == 2
         os.kill(workers[0].pid, signal.SIGKILL)
         # exited for good: a worker with threads (its reads' loop) shows as a zombie while its
@@ -641,16 +651,16 @@ CHILD = textwrap.dedent("""
     from tests.faulty import FaultyDataset
 
     mode = sys.argv[1]
-    faults = {{8: "decode-hang"}} if mode == "waiting" else {{}}
-    loader = aioload.DataLoader(FaultyDataset({root!r}, 40, faults), batch_size=4, num_workers=2)
-
-    def announce():
-        pids = [p.pid for p in multiprocessing.active_children()]
-        print(" ".join(map(str, pids)), flush=True)
-
     kept = []
 
-    def train():
+    def announce(loaders):
+        # each loader's workers, then the processes they were forked from (spawn, forkserver)
+        pools = [loader._res.pool for loader in loaders]
+        workers = [p.pid for pool in pools for p in pool.procs]
+        templates = [pool.template.proc.pid for pool in pools if pool.template is not None]
+        print(" ".join(map(str, workers)), "|", " ".join(map(str, templates)), flush=True)
+
+    def train(loader):
         for epoch in range(1000):
             for step, batch in enumerate(loader):
                 if epoch == 0 and step == 0:
@@ -658,16 +668,23 @@ CHILD = textwrap.dedent("""
                         other = aioload.DataLoader(FaultyDataset({root!r}, 40, {{}}), batch_size=4, num_workers=2)
                         kept.append(iter(other))  # an epoch running: its pool stays
                         next(kept[-1])
-                    announce()
+                        announce([loader, other])
+                    else:
+                        announce([loader])
                 if mode == "exit" and step == 2:
                     sys.exit(0)  # interpreter exit with the loader open and an epoch running
                 time.sleep(0.01)  # the training step
 
-    if mode == "with":
-        with loader:
-            train()
-    else:
-        train()
+    if __name__ == "__main__":  # spawn and forkserver run this module again in the template
+        if len(sys.argv) > 2:
+            multiprocessing.set_start_method(sys.argv[2])  # the interpreter's default, as 3.14 sets it
+        faults = {{8: "decode-hang"}} if mode == "waiting" else {{}}
+        loader = aioload.DataLoader(FaultyDataset({root!r}, 40, faults), batch_size=4, num_workers=2)
+        if mode == "with":
+            with loader:
+                train(loader)
+        else:
+            train(loader)
 """)
 
 
@@ -685,12 +702,15 @@ def child_programs():
             proc.communicate(timeout=10)
 
 
-def run_child(tmp_path, make, child_programs, mode: str, workers: int = 2) -> tuple[subprocess.Popen, list[int]]:
+def run_child(tmp_path, make, child_programs, mode: str, workers: int = 2,
+              method: str | None = None) -> tuple[subprocess.Popen, list[int]]:
+    """The child program running, and its workers' pids and their templates' (with ``method``,
+    the child's default start method)."""
     make()
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(root_dir=os.path.dirname(TESTS_DIR), root=str(tmp_path / "data")))
-    proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, str(script), mode, *([method] if method else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     child_programs.append(proc)
     ready, _, _ = select.select([proc.stdout], [], [], 45)
     line = proc.stdout.readline() if ready else ""
@@ -699,9 +719,9 @@ def run_child(tmp_path, make, child_programs, mode: str, workers: int = 2) -> tu
             os.killpg(proc.pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=10)
         pytest.fail(f"the child did not report its workers within 45 s; stderr:\n{err}")
-    pids = [int(pid) for pid in line.split()]
-    assert len(pids) == workers
-    return proc, pids
+    forked, templates = ([int(pid) for pid in part.split()] for part in line.split("|"))
+    assert len(forked) == workers and len(templates) == (0 if method in (None, "fork") else workers // 2)
+    return proc, forked + templates
 
 
 def finished(proc: subprocess.Popen, timeout: float = 15.0) -> tuple[int, str]:
@@ -714,11 +734,12 @@ def finished(proc: subprocess.Popen, timeout: float = 15.0) -> tuple[int, str]:
     return proc.returncode, err
 
 
-@pytest.mark.parametrize("mode", ["with", "waiting"])
-def test_ctrl_c_stops_workers_and_exits(tmp_path, make, child_programs, mode):
+@pytest.mark.parametrize("mode, method", [("with", None), ("waiting", None), ("with", "spawn"),
+                                          ("waiting", "forkserver")])
+def test_ctrl_c_stops_workers_and_exits(tmp_path, make, child_programs, mode, method):
     """Ctrl-C goes to the whole foreground process group, workers included, as a terminal does;
     in "waiting" the consumer is blocked on a batch whose worker is stuck."""
-    proc, workers = run_child(tmp_path, make, child_programs, mode)
+    proc, workers = run_child(tmp_path, make, child_programs, mode, method=method)
     os.killpg(proc.pid, signal.SIGINT)
     code, err = finished(proc)
     assert code != 0
@@ -727,8 +748,9 @@ def test_ctrl_c_stops_workers_and_exits(tmp_path, make, child_programs, mode):
     wait_until(lambda: all(gone(pid) for pid in workers), 10, "the workers to exit after Ctrl-C")
 
 
-def test_interpreter_exit_while_iterating_stops_workers(tmp_path, make, child_programs):
-    proc, workers = run_child(tmp_path, make, child_programs, "exit")
+@pytest.mark.parametrize("method", [None, "forkserver"])
+def test_interpreter_exit_while_iterating_stops_workers(tmp_path, make, child_programs, method):
+    proc, workers = run_child(tmp_path, make, child_programs, "exit", method=method)
     code, err = finished(proc)
     assert (code, err) == (0, "")
     wait_until(lambda: all(gone(pid) for pid in workers), 10, "the workers to exit with the interpreter")
@@ -762,11 +784,13 @@ def test_a_loaders_workers_hold_no_socket_of_another_loader(make, before):
     assert_released(before)
 
 
-@pytest.mark.parametrize("mode, count", [("with", 2), ("two", 4)])
-def test_workers_exit_when_the_loader_process_is_killed(tmp_path, make, child_programs, mode, count):
+@pytest.mark.parametrize("mode, count, method", [("with", 2, None), ("two", 4, None), ("with", 2, "spawn"),
+                                                 ("two", 4, "forkserver")])
+def test_workers_exit_when_the_loader_process_is_killed(tmp_path, make, child_programs, mode, count, method):
     """With two loaders, the second pool's workers were forked holding the first pool's
-    sockets: they must not keep the first pool's workers from seeing the end of stream."""
-    proc, workers = run_child(tmp_path, make, child_programs, mode, count)
+    sockets: they must not keep the first pool's workers from seeing the end of stream. With
+    spawn or forkserver, the workers' template ends with the training process too."""
+    proc, workers = run_child(tmp_path, make, child_programs, mode, count, method)
     proc.kill()
     finished(proc)
     wait_until(lambda: all(gone(pid) for pid in workers), 10, "orphaned workers to exit")

@@ -187,6 +187,9 @@ class LoaderStats:
         COUNTER, "how many samples were left out with `on_error=\"skip\"`", "samples", "recorder"))
     worker_restarts: int = field(default=0, metadata=_stat(
         COUNTER, "worker pools replaced after a crash", "pools", "recorder"))
+    worker_start: str = field(default="", metadata=_stat(
+        GAUGE, "how the workers started: the start method, and whether each was forked from one process that "
+        "unpickled the dataset once or unpickled its own copy (and why)", "", "loader"))
     per_source: dict = field(default_factory=dict, metadata=_stat(
         COUNTER, "with an `aioload.Mix`: samples delivered from each source, by name", "samples", "loader"))
     shm_bytes: int = field(default=0, metadata=_stat(

@@ -1,5 +1,6 @@
 """The worker processes: ``pool`` (start, dispatch, crash detection; the process boundary),
-``worker`` (the process's loop: tasks in, rows out), ``reads`` (``dataset.read`` on the
+``template`` (with ``spawn`` or ``forkserver``, the one process that unpickles the dataset and
+forks every worker), ``worker`` (the process's loop: tasks in, rows out), ``reads`` (``dataset.read`` on the
 worker's own event loop), ``fetches`` (window mode's shards received by a worker and handed to
 the training process as memfds), ``state`` (the Stateful protocol for a worker's copy of an
 ``IterableDataset``: its state captured after each batch, given back on resume), ``stacks`` (every

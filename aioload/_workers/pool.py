@@ -14,6 +14,7 @@ import collections
 import heapq
 import itertools
 import multiprocessing as mp
+import multiprocessing.reduction
 import os
 import pickle
 import socket
@@ -28,6 +29,7 @@ from aioload._workers.messages import (CancelReads, Done, Fetched, FetchShard, I
                                       Stopped, Streams, Task, WorkerReady)
 from aioload._handoff import shared as _shared
 from aioload._handoff.shm import Segment, recv_fd, send_fd
+from aioload._workers.template import ForkedWorker, Template, unavailable
 from aioload._workers.worker import PROGRESS_ID, SLOT_HEADER, WorkerConfig, worker_main
 
 PER_WORKER_TASKS = 2
@@ -54,12 +56,14 @@ _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 
 
 class WorkerPool:
-    """``num_workers`` processes, each holding one copy of the dataset."""
+    """``num_workers`` processes, each holding the dataset: forked from the training process
+    (``fork``) or from a template that unpickled it once (``spawn``, ``forkserver``; see
+    :mod:`aioload._workers.template`), they share its pages; else each has a copy of its own."""
 
     def __init__(self, cfg: WorkerConfig, num_workers: int, context):
         self.num_workers = num_workers
         self.context = context
-        self.procs: list[mp.process.BaseProcess] = []
+        self.procs: list = []  # multiprocessing's processes, or ForkedWorker
         self.socks: list[socket.socket] = []
         self.ctrls: list[socket.socket] = []
         self.ready = [False] * num_workers
@@ -77,9 +81,12 @@ class WorkerPool:
         self.progress = memoryview(self.progress_memory.map).cast("q")
         for cell in range(2 * num_workers):
             self.progress[cell] = -1
-        forking = context.get_start_method() == "fork"
-        others = [sock for pool in list(_LIVE_POOLS) if not pool.closed for sock in pool.socks + pool.ctrls]
+        method = context.get_start_method()
+        forking = method == "fork"
+        others = [sock for pool in list(_LIVE_POOLS) if not pool.closed for sock in pool.sockets()]
+        self.template: Template | None = None
         try:
+            self.start_method = self._start_template(cfg, context, method)
             for wid in range(num_workers):
                 parent, child = socket.socketpair()
                 cparent, cchild = socket.socketpair()
@@ -87,22 +94,29 @@ class WorkerPool:
                 # and other loaders' pools', so that every worker's socket reports end-of-stream
                 # as soon as the loader's process is gone, even if it was killed.
                 inherited = tuple(others + self.socks + self.ctrls + [parent, cparent]) if forking else ()
-                proc = context.Process(
-                    target=worker_main,
-                    args=(wid, cfg, child, cchild, inherited, os.getpid()),
-                    name=f"aioload-worker-{wid}",
-                )
-                try:
-                    proc.start()  # spawn and forkserver pickle cfg here, fork does not
-                except BaseException as exc:
-                    for sock in (parent, child, cparent, cchild):
-                        sock.close()
-                    if isinstance(exc, (pickle.PicklingError, AttributeError, TypeError)):
-                        raise _unsendable(cfg, context, exc) or exc
-                    raise
+                if self.template is not None:
+                    self.template.fork(wid, child, cchild)
+                    proc: mp.process.BaseProcess | ForkedWorker = ForkedWorker(self.template, wid)
+                else:
+                    proc = context.Process(
+                        target=worker_main,
+                        args=(wid, cfg, child, cchild, inherited, os.getpid()),
+                        name=f"aioload-worker-{wid}",
+                    )
+                    try:
+                        proc.start()  # spawn and forkserver pickle cfg here, fork does not
+                    except BaseException as exc:
+                        for sock in (parent, child, cparent, cchild):
+                            sock.close()
+                        if isinstance(exc, (pickle.PicklingError, AttributeError, TypeError)):
+                            raise _unsendable(cfg, context, exc) or exc
+                        raise
                 child.close()
                 cchild.close()
-                send_fd(cparent, self.progress_memory.fd, SLOT_HEADER.pack(PROGRESS_ID, self.progress_memory.size))
+                try:
+                    send_fd(cparent, self.progress_memory.fd, SLOT_HEADER.pack(PROGRESS_ID, self.progress_memory.size))
+                except OSError:
+                    pass  # its template died first: its task socket reports that
                 parent.setblocking(False)
                 self.procs.append(proc)
                 self.socks.append(parent)
@@ -111,6 +125,32 @@ class WorkerPool:
             self.close()
             raise
         _LIVE_POOLS.add(self)
+
+    def _start_template(self, cfg: WorkerConfig, context, method: str) -> str:
+        """Start the template the workers are forked from (:mod:`aioload._workers.template`)
+        where the start method is not ``fork`` and nothing rules it out; how the workers start,
+        in words (``LoaderStats.worker_start``)."""
+        if method == "fork":
+            return "fork: each worker is forked from the training process"
+        why = unavailable(method)
+        if not why:
+            try:
+                payload = multiprocessing.reduction.ForkingPickler.dumps(cfg, pickle.HIGHEST_PROTOCOL)
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                raise _unsendable(cfg, context, exc) or exc
+            self.template = Template(payload, context)
+            del payload
+            why = self.template.verdict() or ""  # None: it died, and each worker reports that
+            if why:
+                self.template.close()
+                self.template = None
+        if not why:
+            return f"{method}: one process unpickled the dataset once, and each worker is forked from it"
+        return f"{method}: each worker unpickles its own copy of the dataset ({why})"
+
+    def sockets(self) -> list[socket.socket]:
+        """The training process's ends of this pool's sockets, its template's included."""
+        return self.socks + self.ctrls + ([self.template.sock] if self.template is not None else [])
 
     def alive(self) -> bool:
         """Usable for another epoch: not closed, not broken, and no worker has died (a worker
@@ -159,6 +199,8 @@ class WorkerPool:
         _join_all(self.procs, 1.0)
         for proc in self.procs:
             proc.close() if proc.exitcode is not None else None
+        if self.template is not None:
+            self.template.close()  # its workers are gone: it reported how each ended
         for sock in self.socks + self.ctrls:
             sock.close()
         # A closed pool keeps nothing alive. The error that broke it is also the consumer's
