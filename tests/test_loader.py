@@ -370,3 +370,41 @@ def test_device_cuda_delivers_the_cpu_batches_on_the_device():
 def test_bad_arguments_are_rejected_at_construction(kwargs, error, message):
     with pytest.raises(error, match=f"^{message.replace('(', '[(]').replace(')', '[)]')}$"):
         aioload.DataLoader(Squares(8), **kwargs)
+
+
+class _SlowLogged(aioload.Dataset):
+    """Every decode of the second batch on appends its index to ``log`` and takes 0.2 s."""
+
+    def __init__(self, log):
+        self.log = str(log)
+
+    def __len__(self):
+        return 64
+
+    async def read(self, index):
+        return index
+
+    def decode(self, index):
+        if index >= 4:
+            with open(self.log, "a") as f:
+                f.write(f"{index}\n")
+            time.sleep(0.2)
+        return torch.tensor(index)
+
+
+def test_an_epoch_left_early_stops_its_workers_after_the_sample_in_hand(tmp_path):
+    """Leaving an epoch (``break``, no persistent workers) stops the pool: each worker ends the
+    sample it is decoding and starts no other, instead of decoding its queued tasks first."""
+    log = tmp_path / "decoded"
+    log.touch()
+    with aioload.DataLoader(_SlowLogged(log), batch_size=4, num_workers=2, seed=0) as loader:
+        for batch in loader:
+            assert batch.tolist() == [0, 1, 2, 3]
+            with open(log, "a") as f:
+                f.write("break\n")
+            break
+    decoded = log.read_text().split()
+    after = decoded[decoded.index("break") + 1:]
+    # a worker may start one sample while Shutdown is on its way; before, each decoded its
+    # queued tasks (0.2 s a sample, six of them here) until the pool's 2 s wait ran out
+    assert len(after) <= 2, decoded  # at most one per worker

@@ -86,6 +86,10 @@ def _cell(index) -> int:
     return index if isinstance(index, int) and (0 <= index <= _CELL_MAX or index == COLLATING) else -1
 
 
+class _Abandoned(Exception):
+    """The pool said Shutdown while a task was being decoded: nobody waits for its result."""
+
+
 class _Worker:
     def __init__(self, worker_id: int, cfg: WorkerConfig, sock, ctrl, progress=None):
         self.id = worker_id
@@ -108,6 +112,9 @@ class _Worker:
         self.fetches: ShardFetches | None = None  # with cfg.fetch_shards, once worker_init_fn has run
         self.sending = threading.Lock()  # replies (this thread) and fetches' answers (theirs) share the socket
         self.inbox: queue.SimpleQueue | None = None  # with reads here: (message, reading) in arrival order
+        # set by the receiving thread once Shutdown has arrived: the tasks still in the inbox
+        # are dropped, not decoded (nobody waits for them: the pool is closing)
+        self.stopping = threading.Event()
 
     # -- set-up -------------------------------------------------------------------------
     def start_epoch(self, base_seed: int, per_sample_seeds: bool, epoch: int = 0) -> None:
@@ -206,9 +213,12 @@ class _Worker:
     def fetch_each(self, items) -> tuple[list, list]:
         """A task's samples one by one, in order: ``(samples, errors)``; a sample that failed
         is left out of ``samples`` and has its error (at its position) in ``errors``."""
+        stopping = self.stopping
         if self.cfg.split or self.per_sample_seeds:
             samples, errors = [], []
             for pos, (index, raw) in enumerate(self.pairs(items)):
+                if stopping.is_set():
+                    raise _Abandoned
                 try:
                     samples.append(self.load(index, raw))
                 except Exception as exc:  # noqa: BLE001
@@ -221,6 +231,8 @@ class _Worker:
             progress[cell - 1] = self.task
         samples, errors = [], []
         for pos, index in enumerate(items):
+            if stopping.is_set():
+                raise _Abandoned
             if progress is not None:
                 progress[cell] = index if type(index) is int and 0 <= index <= _CELL_MAX else -1
             try:
@@ -370,6 +382,8 @@ class _Worker:
             msg, reading = message
             if isinstance(msg, Shutdown):
                 return
+            if self.stopping.is_set():
+                return  # the pool is closing: the tasks still queued go undone
             if isinstance(msg, StartEpoch):
                 self.start_epoch(msg.base_seed, msg.per_sample_seeds, msg.epoch)
                 continue
@@ -390,7 +404,10 @@ class _Worker:
                 else:
                     load_dataset_state(self.cfg.dataset, msg.record)
                 continue
-            reply = self.run(msg, reading)
+            try:
+                reply = self.run(msg, reading)
+            except _Abandoned:
+                return
             # the task's items go before the reply does: the shared bytes they map are unmapped
             # by the time the loader learns that the task is done (aioload._handoff.shared)
             message = msg = reading = None
@@ -448,6 +465,12 @@ class _Worker:
                     self.fetches.start(msg)
                     continue
                 reading = None
+                if isinstance(msg, Shutdown):  # an epoch left early: the queued tasks go undone
+                    self.stopping.set()
+                    if self.reads is not None:
+                        self.reads.cancel()
+                    if self.fetches is not None:
+                        self.fetches.cancel()
                 if isinstance(msg, Task) and not isinstance(msg.work, IterWork) and self.reads is not None:
                     reading = self.reads.start(list(msg.work.items))
                 self.inbox.put((msg, reading))
