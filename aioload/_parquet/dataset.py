@@ -34,7 +34,7 @@ from aioload._dataset import NOT_READY, Dataset
 from aioload._parquet import footer as _footer
 from aioload._parquet.footer import Footer, FooterCache, ParquetError
 from aioload._parquet.order import Layout
-from aioload._parquet.pageindex import FilePages
+from aioload._parquet.pageindex import FilePages, PageIndexError
 from aioload._parquet.pages import PageReader, RowPages
 from aioload._parquet.values import PageError
 from aioload._parquet.rowgroups import Chunks, RowGroupCache, fetch, ranges
@@ -274,7 +274,11 @@ class Parquet(Dataset):
         if self._pages is None:
             return None
         if f not in self._plans:
-            plan = FilePages(self._footers[f].raw, self._metadata(f).schema.to_arrow_schema(), self.columns)
+            try:
+                plan = FilePages(self._footers[f].raw, self._metadata(f).schema.to_arrow_schema(), self.columns)
+            except PageIndexError as exc:
+                raise ParquetError(f"{self.urls[f]}: {exc}; the file is corrupt (window=k reads it by row group, "
+                                   "with pyarrow)") from exc
             self._plans[f] = plan if plan.nodes else None
         return self._plans[f]
 
@@ -302,7 +306,10 @@ class Parquet(Dataset):
         pages = None
         if plan is not None:
             assert self._pages is not None
-            pages = self._pages.read_nowait(f, plan, g, r)
+            try:
+                pages = self._pages.read_nowait(f, plan, g, r)
+            except (ValueError, KeyError, IndexError) as exc:
+                raise self._index_error(index, exc) from exc
             if pages is None:
                 return NOT_READY
         return chunks, index, pages
@@ -324,9 +331,12 @@ class Parquet(Dataset):
         except ParquetError:
             raise
         except (ValueError, KeyError, IndexError) as exc:  # a page index that does not fit the footer
-            raise ParquetError(f"{self.describe(index)}: the file's page index cannot be read ({exc}); the file "
-                               "is corrupt, or was written again since its footer was read") from exc
+            raise self._index_error(index, exc) from exc
         return chunks, index, found
+
+    def _index_error(self, index: int, exc: Exception) -> ParquetError:
+        return ParquetError(f"{self.describe(index)}: the file's page index cannot be read ({exc}); the file is "
+                            "corrupt, or was written again since its footer was read")
 
     def read_blocking(self, index: int) -> tuple[Chunks | None, int, RowPages | None]:
         ready = self.read_nowait(index)
