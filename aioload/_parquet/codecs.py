@@ -10,11 +10,13 @@ pyarrow's own reader refuses such a page ("Page didn't decompress to expected si
 * snappy: its stream starts with the decompressed length (a varint) and snappy's decoder
   checks the stream against it; a zstd frame usually carries its content size, which zstd
   checks likewise: both are compared before anything is allocated;
-* gzip: decompressed with ``zlib``, stopping one byte past the claim;
-* LZ4_RAW, brotli and a zstd frame without its size: decompressed into the claimed size, then
-  the same bytes into one byte less, which the codec must refuse (it would have had to write
-  past the end): the page costs twice its decompression. LZ4_RAW cannot grow a block more than
-  255 times, so a larger claim is refused before anything is allocated.
+* gzip: decompressed with ``zlib``, stopping one byte past the claim; brotli and a zstd frame
+  without its size: streamed (pyarrow's ``CompressedInputStream``) a MiB at a time, stopping
+  one byte past the claim, so that a false claim allocates nothing;
+* LZ4_RAW (no stream format): decompressed into the claimed size, then the same bytes into one
+  byte less, which the codec must refuse (it would have had to write past the end): such a
+  page costs twice its decompression. LZ4 cannot grow a block more than 255 times, so a larger
+  claim is refused before anything is allocated.
 
 Every claim is a Thrift i32 (at most 2 GiB), checked before use.
 """
@@ -47,6 +49,8 @@ def decompress(body: Any, codec: str | None, size: int) -> memoryview:
     known = _snappy_size(view) if codec == "snappy" else _zstd_size(view) if codec == "zstd" else None
     if known is not None and known != size:
         raise CodecError(f"the {codec} page decompresses to {known} bytes and its header claims {size}")
+    if codec == "brotli" or codec == "zstd" and known is None:
+        return _streamed(view, codec, size)
     if codec == "lz4_raw" and size > 255 * len(view) + 16:
         raise CodecError(f"the lz4_raw page of {len(view)} bytes claims {size} decompressed, more than LZ4 can "
                          "expand it")
@@ -72,6 +76,28 @@ def _fits(view: memoryview, codec: str, size: int) -> bool:
     except CodecError:
         return False
     return True
+
+
+STREAM_STEP = 1 << 20
+
+
+def _streamed(view: memoryview, codec: str, size: int) -> memoryview:
+    import pyarrow as pa
+
+    out = bytearray()
+    try:
+        stream = pa.CompressedInputStream(pa.py_buffer(view), codec)
+        while len(out) <= size:
+            piece = stream.read(min(STREAM_STEP, size + 1 - len(out)))
+            if not piece:
+                break
+            out += piece
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        raise CodecError(f"the {codec} page cannot be decompressed ({exc})") from None
+    if len(out) != size:
+        got = f"{len(out)} bytes" if len(out) <= size else "more bytes"
+        raise CodecError(f"the {codec} page decompresses to {got} and its header claims {size}")
+    return memoryview(out)
 
 
 def _gzip(view: memoryview, size: int) -> memoryview:

@@ -274,11 +274,7 @@ class Parquet(Dataset):
         if self._pages is None:
             return None
         if f not in self._plans:
-            try:
-                plan = FilePages(self._footers[f].raw, self._metadata(f).schema.to_arrow_schema(), self.columns)
-            except PageIndexError as exc:
-                raise ParquetError(f"{self.urls[f]}: {exc}; the file is corrupt (window=k reads it by row group, "
-                                   "with pyarrow)") from exc
+            plan = FilePages(self._footers[f].raw, self._metadata(f).schema.to_arrow_schema(), self.columns)
             self._plans[f] = plan if plan.nodes else None
         return self._plans[f]
 
@@ -294,10 +290,18 @@ class Parquet(Dataset):
         starts, lengths = _footer.chunk_ranges(self._metadata(f), footer.size, footer.url, g, leaves)
         return fetch(self.storage, footer.url, ranges(starts, lengths))
 
+    def _plan_of(self, index: int, f: int) -> FilePages | None:
+        """:meth:`_plan`, its failure a ParquetError naming row ``index`` (a read's first use of it)."""
+        try:
+            return self._plan(f)
+        except PageIndexError as exc:
+            raise ParquetError(f"{self.describe(index)}: {exc}; the file is corrupt (where pyarrow reads it, "
+                               "window=k reads whole row groups with pyarrow)") from exc
+
     def read_nowait(self, index: int) -> Any:
         index = self._check(index)
         f, g, r = self._layout.locate(index)
-        plan = self._plan(f)
+        plan = self._plan_of(index, f)
         chunks = None
         if plan is None or self._group_columns(f):
             chunks = self._cache.peek((f, g))
@@ -317,7 +321,7 @@ class Parquet(Dataset):
     async def read(self, index: int) -> tuple[Chunks | None, int, RowPages | None]:
         index = self._check(index)
         f, g, r = self._layout.locate(index)
-        plan = self._plan(f)
+        plan = self._plan_of(index, f)
         if plan is None:
             return await self._cache.get((f, g), lambda: self._fetch(f, g)), index, None
         assert self._pages is not None
@@ -387,7 +391,14 @@ class Parquet(Dataset):
             raise ParquetError(f"{footer.url}, row group {g}, row {r}: the row group decoded to {table.num_rows} "
                                f"rows, and its footer says {int(footer.rows[g])}")
         numeric = chunks.numeric_lists(table)
-        return {name: _value(table.column(name)[r], name in numeric) for name in columns}
+        out = {}
+        for name in columns:
+            try:
+                out[name] = _value(table.column(name)[r], name in numeric)
+            except ValueError as exc:  # a string that is not UTF-8, say
+                raise ParquetError(f"{footer.url}, row group {g}, row {r}, column {name!r}: the value cannot be read "
+                                   f"({type(exc).__name__}: {exc}); the file is corrupt") from exc
+        return out
 
     def decode(self, raw: tuple[Chunks | None, int, RowPages | None]) -> Any:
         row = self.row(raw)
