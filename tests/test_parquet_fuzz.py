@@ -170,13 +170,18 @@ def pyarrow_groups(path: Path, columns: list[str]) -> list[list[dict] | None]:
     return out
 
 
-def same(a, b) -> bool:
+def same(a, b, numbers: bool = False) -> bool:
+    """``a`` (aioload's) is ``b`` (pyarrow's), NaN equal to NaN; in a list of numbers
+    (``numbers``), which aioload gives as a numpy array, by value, a null as NaN."""
+    if numbers and isinstance(a, (int, float)) and (b is None or isinstance(b, (int, float))):
+        return a == b or math.isnan(a) and (b is None or math.isnan(b))
     if isinstance(a, float) and isinstance(b, float):
         return a == b or math.isnan(a) and math.isnan(b)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        numbers = all(x is None or isinstance(x, (int, float)) and not isinstance(x, bool) for x in b)
+        return len(a) == len(b) and all(same(x, y, numbers) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
 
 
