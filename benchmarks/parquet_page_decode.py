@@ -1,6 +1,6 @@
 """One row's value out of one Parquet data page: aioload's page decoder against pyarrow's.
 
-    python benchmarks/parquet_page_decode.py [--rows 100] [--repeat 2000]
+    python benchmarks/parquet_page_decode.py [--rows 100] [--repeat 2000] [--json out.json]
 
 A uniform shuffle decodes one row out of each page it fetches. pyarrow decodes nothing
 smaller than a row group, so its cost for a page is that of a file holding just that page: a
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import time
 
@@ -61,7 +62,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=2000)
+    parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
+    results = []
     print(f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'page':45} {'aioload us/row':>15} {'pyarrow us/row':>15} {'pyarrow/aioload':>16}")
     for name, (data, _) in _files(args.rows).items():
@@ -86,6 +89,10 @@ def main() -> None:
         theirs = _time(lambda: pq.ParquetFile(io.BytesIO(data), metadata=md).read_row_group(0).column(0)[row].as_py(),
                        args.repeat)
         print(f"{name:45} {ours:15.1f} {theirs:15.1f} {theirs / ours:16.2f}")
+        results.append({"page": name, "aioload_us_per_row": ours, "pyarrow_us_per_row": theirs})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"load_average": os.getloadavg()[0], "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":
