@@ -198,7 +198,7 @@ class Parquet(Dataset):
         # a uniform shuffle reads by page the columns whose files have a page index
         self._pages = PageReader(cache_bytes) if window is None else None
         self._parsed: dict[int, Any] = {}
-        self._plans: dict[int, FilePages | None] = {}
+        self._plans: dict[int, FilePages | PageIndexError | None] = {}  # a footer pages cannot read: its error
 
     def _check_columns(self) -> None:
         for f in self._footers:
@@ -274,9 +274,16 @@ class Parquet(Dataset):
         if self._pages is None:
             return None
         if f not in self._plans:
-            plan = FilePages(self._footers[f].raw, self._metadata(f).schema.to_arrow_schema(), self.columns)
+            try:
+                plan = FilePages(self._footers[f].raw, self._metadata(f).schema.to_arrow_schema(), self.columns)
+            except PageIndexError as exc:  # kept: each row would parse the footer again
+                self._plans[f] = exc
+                raise
             self._plans[f] = plan if plan.nodes else None
-        return self._plans[f]
+        found = self._plans[f]
+        if isinstance(found, PageIndexError):
+            raise PageIndexError(str(found))
+        return found
 
     def _group_columns(self, f: int) -> list[str]:
         """The columns of file ``f`` read with their row group."""
