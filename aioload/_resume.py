@@ -398,7 +398,8 @@ def unpack(state, exp: Expected) -> dict:
     streams = _check_streams(state.get("worker_streams"), exp.config["base_seeds"], prog)
     return {"epoch": epoch, "rng": rng, "progress": prog,
             "kept_base": kept, "world_size": world, "mix": mix, "worker_streams": streams,
-            "stateful": check_stateful(state.get("stateful"), exp.iterable), "sampler": sampler}
+            "stateful": check_stateful(state.get("stateful"), exp.iterable, exp.batch_size if exp.batched else 1),
+            "sampler": sampler}
 
 
 def _check_mix(mix, names: tuple[str, ...] | None, mid_epoch: bool) -> dict | None:

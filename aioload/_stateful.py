@@ -238,10 +238,12 @@ def _count(value, path: str) -> int:
     return value
 
 
-def check(entry, iterable: bool) -> dict | None:
+def check(entry, iterable: bool, batch_size: int | None = None) -> dict | None:
     """The state's ``"stateful"`` entry, checked field by field (the dataset's own values
-    excepted: they are the dataset's to check when it loads them). A map-style dataset's entry
-    has the same shape (its records' ``dataset_state`` only)."""
+    excepted: they are the dataset's to check when it loads them), and an IterableDataset's
+    ``taken`` against its batches (:func:`_check_position`; ``batch_size``: the items of a
+    full batch, ``None``: unknown). A map-style dataset's entry has the same shape (its records'
+    ``dataset_state`` only)."""
     if entry is None:
         return None
     if not isinstance(entry, dict):
@@ -267,7 +269,23 @@ def check(entry, iterable: bool) -> dict | None:
         raise _fail("stateful.workers", f"must map {names} to records, got {reprlib.repr(records)}")
     for name in names:
         _check_record(records[name], f"stateful.workers.{name}", int(name.split("_")[1]))
+    if iterable:
+        _check_position(entry, batch_size)
     return entry
+
+
+def _check_position(entry: dict, batch_size: int | None) -> None:
+    """``taken`` against the batches it counts: a copy's items come in batches of
+    ``batch_size``, and only the batch that ran it out may be partial, so a copy still running
+    has taken a whole number of batches (an edit that adds a few items to ``taken`` would drop
+    them on resume). ``next_worker`` is not cross-checked: out of order (``in_order=False``),
+    which a state does not record, any worker may have delivered last."""
+    if batch_size is None:
+        return
+    for w, taken in enumerate(entry["taken"]):
+        if taken % batch_size and not entry["workers"][f"worker_{w}"]["fetcher_state"]["fetcher_ended"]:
+            raise _fail(f"stateful.taken[{w}]", f"must be a whole number of batches of {batch_size} (worker {w} has "
+                                                f"not run out), got {taken}")
 
 
 def _check_record(record, path: str, wid: int) -> None:

@@ -57,3 +57,75 @@ def reference(paths: list[str], columns: list[str]) -> list[dict]:
 def plain(row: dict) -> dict:
     """A row with its numpy arrays as lists, to compare with :func:`reference`'s."""
     return {k: v.tolist() if hasattr(v, "tolist") else v for k, v in row.items()}
+
+
+# -- crafting corrupt files: Thrift's compact protocol written back -----------------------------
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _zigzag(n: int) -> bytes:
+    return _varint((n << 1) ^ (n >> 63))
+
+
+def _kind(value) -> int:
+    if isinstance(value, bool):
+        return 1 if value else 2
+    if isinstance(value, int):
+        return 5 if -(1 << 31) <= value < 1 << 31 else 6
+    return {bytes: 8, list: 9, dict: 12}[type(value)]
+
+
+def _element(value) -> bytes:
+    if isinstance(value, bool):
+        return b"\x01" if value else b"\x02"
+    return _value(value)
+
+
+def _value(value) -> bytes:
+    if isinstance(value, bool):
+        return b""
+    if isinstance(value, int):
+        return _zigzag(value)
+    if isinstance(value, bytes):
+        return _varint(len(value)) + value
+    if isinstance(value, list):
+        kind = _kind(value[0]) if value else 5
+        head = bytes([len(value) << 4 | kind]) if len(value) < 15 else bytes([0xF0 | kind]) + _varint(len(value))
+        return head + b"".join(_element(v) for v in value)
+    return compact(value)
+
+
+def compact(struct: dict) -> bytes:
+    """``{field id: value}`` (as :func:`aioload._parquet.thrift.read_struct` reads it) in the
+    compact protocol: ints as i32 where they fit, else i64."""
+    out, last = bytearray(), 0
+    for key in sorted(struct):
+        value = struct[key]
+        delta = key - last
+        out += bytes([delta << 4 | _kind(value)]) if 0 < delta <= 15 else bytes([_kind(value)]) + _zigzag(key)
+        out += _value(value)
+        last = key
+    return bytes(out) + b"\x00"
+
+
+def rewrite_struct(data: bytes, at: int, change) -> bytes:
+    """``data`` with the struct at byte ``at`` read, changed in place by ``change(struct)`` and
+    written back; the new encoding must be as long as the old (nothing after it moves)."""
+    from aioload._parquet.thrift import read_struct
+
+    struct, end = read_struct(data, at)
+    change(struct)
+    new = compact(struct)
+    if len(new) != end - at:
+        raise ValueError(f"the changed struct takes {len(new)} bytes, the old {end - at}: pick values of the same "
+                         "encoded length")
+    return data[:at] + new + data[end:]

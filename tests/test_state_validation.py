@@ -22,6 +22,7 @@ import torch
 
 import aioload
 from aioload._resume import ResumeError, ResumeWarning
+from aioload._stateful import FastForwardWarning
 from tests.random_data import Shuffled, Stream
 
 N, BATCH = 10, 3
@@ -289,6 +290,19 @@ def test_an_iterable_datasets_position_is_its_copies_not_delivered_batches():
             MAKERS["iterable"])
     refused(replaced(state, ("stateful", "next_worker"), 5),
             r"stateful.next_worker must be < 1 \(the saved workers\), got 5", MAKERS["iterable"])
+
+
+def test_an_iterable_copys_taken_items_are_whole_batches_until_it_runs_out():
+    state = STATES["iterable"]()
+    assert state["stateful"]["taken"] == [BATCH]
+    refused(replaced(state, ("stateful", "taken", 0), BATCH + 2),  # would drop 2 items on resume
+            rf"stateful.taken\[0\] must be a whole number of batches of {BATCH} \(worker 0 has not run out\), "
+            rf"got {BATCH + 2}", MAKERS["iterable"])
+    with pytest.warns(FastForwardWarning, match="drops the items it delivered before the save, 6 in all"):
+        assert loaded(replaced(state, ("stateful", "taken", 0), 2 * BATCH), MAKERS["iterable"])  # whole batches
+    ended = saved(MAKERS["iterable"], -(-N // BATCH))  # the last batch is partial: the copy ran out
+    assert ended["stateful"]["taken"] == [N] and N % BATCH
+    assert loaded(ended, MAKERS["iterable"]) == []
 
 
 # -- positions a crafted state may claim: bounded, and checked without building the epoch -----------

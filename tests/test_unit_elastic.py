@@ -219,16 +219,21 @@ def test_a_world_larger_than_the_sequence_is_computed_as_one_rank_a_position(kin
     assert remainder(20, Deal(2**31 - 1, 4, drop_last=True, kind=kind), Segment(2**31 - 1, 0)).tolist() == []
 
 
-def test_remainder_is_the_same_in_slices_as_at_once(monkeypatch):
-    from aioload._plan import elastic
-
+def test_remainder_is_what_each_ranks_positions_leave():
+    """Against the ranks one by one (Deal.positions): dealt into a batch, and no slot of the
+    position delivered."""
     cases = [(length, Deal(world, batch, drop_last, kind), Segment(world, low, above))
              for length in (0, 1, 7, 23) for world in (1, 3, 8, 30) for batch in (1, 2, 5)
              for drop_last in (False, True) for kind in ("stride", "blocks") for low, above in ((0, ()), (1, (2,)))]
-    whole = [remainder(*case).tolist() for case in cases]
-    monkeypatch.setattr(elastic, "SLOTS_AT_ONCE", 3)
-    assert [remainder(*case).tolist() for case in cases] == whole
-    assert any(whole) and not all(whole)
+    for length, deal, segment in cases:
+        dealt, seen = set(), set()
+        kept = deal.kept(length)
+        for rank in range(deal.world_size):
+            for place, position in enumerate(deal.positions(length, rank).tolist()[:kept]):
+                dealt.add(position)
+                if place // deal.batch_size < segment.low or place // deal.batch_size in segment.above:
+                    seen.add(position)
+        assert remainder(length, deal, segment).tolist() == sorted(dealt - seen), (length, deal, segment)
 
 
 def test_rest_of_epoch_applies_segments_in_turn():

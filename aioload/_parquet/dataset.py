@@ -34,7 +34,7 @@ from aioload._dataset import NOT_READY, Dataset
 from aioload._parquet import footer as _footer
 from aioload._parquet.footer import Footer, FooterCache, ParquetError
 from aioload._parquet.order import Layout
-from aioload._parquet.pageindex import FilePages
+from aioload._parquet.pageindex import FilePages, PageIndexError
 from aioload._parquet.pages import PageReader, RowPages
 from aioload._parquet.values import PageError
 from aioload._parquet.rowgroups import Chunks, RowGroupCache, fetch, ranges
@@ -206,7 +206,7 @@ class Parquet(Dataset):
         # a uniform shuffle reads by page the columns whose files have a page index
         self._pages = PageReader(pages_bound) if window is None else None
         self._parsed: dict[int, Any] = {}
-        self._plans: dict[int, FilePages | None] = {}
+        self._plans: dict[int, FilePages | PageIndexError | None] = {}  # a footer pages cannot read: its error
 
     def _check_columns(self) -> None:
         for f in self._footers:
@@ -282,9 +282,16 @@ class Parquet(Dataset):
         if self._pages is None:
             return None
         if f not in self._plans:
-            plan = FilePages(self._footers[f].raw, self._metadata(f).schema.to_arrow_schema(), self.columns)
+            try:
+                plan = FilePages(self._footers[f].raw, self._metadata(f).schema.to_arrow_schema(), self.columns)
+            except PageIndexError as exc:  # kept: each row would parse the footer again
+                self._plans[f] = exc
+                raise
             self._plans[f] = plan if plan.nodes else None
-        return self._plans[f]
+        found = self._plans[f]
+        if isinstance(found, PageIndexError):
+            raise PageIndexError(str(found))
+        return found
 
     def _group_columns(self, f: int) -> list[str]:
         """The columns of file ``f`` read with their row group."""
@@ -298,10 +305,18 @@ class Parquet(Dataset):
         starts, lengths = _footer.chunk_ranges(self._metadata(f), footer.size, footer.url, g, leaves)
         return fetch(self.storage, footer.url, ranges(starts, lengths))
 
+    def _plan_of(self, index: int, f: int) -> FilePages | None:
+        """:meth:`_plan`, its failure a ParquetError naming row ``index`` (a read's first use of it)."""
+        try:
+            return self._plan(f)
+        except PageIndexError as exc:
+            raise ParquetError(f"{self.describe(index)}: {exc}; the file is corrupt (where pyarrow reads it, "
+                               "window=k reads whole row groups with pyarrow)") from exc
+
     def read_nowait(self, index: int) -> Any:
         index = self._check(index)
         f, g, r = self._layout.locate(index)
-        plan = self._plan(f)
+        plan = self._plan_of(index, f)
         chunks = None
         if plan is None or self._group_columns(f):
             chunks = self._cache.peek((f, g))
@@ -310,7 +325,10 @@ class Parquet(Dataset):
         pages = None
         if plan is not None:
             assert self._pages is not None
-            pages = self._pages.read_nowait(f, plan, g, r)
+            try:
+                pages = self._pages.read_nowait(f, plan, g, r)
+            except (ValueError, KeyError, IndexError) as exc:
+                raise self._index_error(index, exc) from exc
             if pages is None:
                 return NOT_READY
         return chunks, index, pages
@@ -318,7 +336,7 @@ class Parquet(Dataset):
     async def read(self, index: int) -> tuple[Chunks | None, int, RowPages | None]:
         index = self._check(index)
         f, g, r = self._layout.locate(index)
-        plan = self._plan(f)
+        plan = self._plan_of(index, f)
         if plan is None:
             return await self._cache.get((f, g), lambda: self._fetch(f, g)), index, None
         assert self._pages is not None
@@ -332,9 +350,12 @@ class Parquet(Dataset):
         except ParquetError:
             raise
         except (ValueError, KeyError, IndexError) as exc:  # a page index that does not fit the footer
-            raise ParquetError(f"{self.describe(index)}: the file's page index cannot be read ({exc}); the file "
-                               "is corrupt, or was written again since its footer was read") from exc
+            raise self._index_error(index, exc) from exc
         return chunks, index, found
+
+    def _index_error(self, index: int, exc: Exception) -> ParquetError:
+        return ParquetError(f"{self.describe(index)}: the file's page index cannot be read ({exc}); the file is "
+                            "corrupt, or was written again since its footer was read")
 
     def read_blocking(self, index: int) -> tuple[Chunks | None, int, RowPages | None]:
         ready = self.read_nowait(index)
@@ -385,7 +406,14 @@ class Parquet(Dataset):
             raise ParquetError(f"{footer.url}, row group {g}, row {r}: the row group decoded to {table.num_rows} "
                                f"rows, and its footer says {int(footer.rows[g])}")
         numeric = chunks.numeric_lists(table)
-        return {name: _value(table.column(name)[r], name in numeric) for name in columns}
+        out = {}
+        for name in columns:
+            try:
+                out[name] = _value(table.column(name)[r], name in numeric)
+            except ValueError as exc:  # a string that is not UTF-8, say
+                raise ParquetError(f"{footer.url}, row group {g}, row {r}, column {name!r}: the value cannot be read "
+                                   f"({type(exc).__name__}: {exc}); the file is corrupt") from exc
+        return out
 
     def decode(self, raw: tuple[Chunks | None, int, RowPages | None]) -> Any:
         row = self.row(raw)

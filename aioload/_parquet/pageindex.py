@@ -15,6 +15,12 @@ map (a row is then in one page of each leaf), of a type the page decoder knows
 (:mod:`aioload._parquet.values`), compressed with a codec pyarrow decompresses, encoded
 PLAIN or with a dictionary, and with a page index in every row group. Every other column is
 read with its row group, as window mode reads all (:mod:`aioload._parquet.rowgroups`).
+
+A chunk's page index is checked when it is first used (:class:`PageIndexError`): at least one
+page, the first at row 0, first rows increasing and within the row group's rows, each page's
+bytes within its column chunk, in order. Each data page's value count is then checked against
+the rows the index gives it (:func:`aioload._parquet.values.leaf_value`): an index whose first
+rows are off by one would otherwise shift every value silently.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from typing import Any
 import numpy as np
 
 from aioload._parquet.thrift import read_struct
+
+I32_MAX, I64_MAX = (1 << 31) - 1, (1 << 63) - 1
 
 # parquet.thrift's numbering
 CODECS = {0: None, 1: "snappy", 2: "gzip", 4: "brotli", 6: "zstd", 7: "lz4_raw"}
@@ -37,6 +45,10 @@ SMALL = 64 << 10
 """A leaf's column chunk up to this size is fetched whole (once per row group and process,
 then kept), not page by page: a label's or a path's chunk, which every row would otherwise
 fetch a page of."""
+
+
+class PageIndexError(ValueError):
+    """A page index (or the footer's part that locates it) that does not describe its chunk."""
 
 
 @dataclass(frozen=True)
@@ -174,8 +186,11 @@ def _chunk(column: dict[int, Any]) -> Chunk | None:
         coded = sum(n for encoding, n in data if encoding in DICTIONARY_ENCODINGS)
         # writers fall back from a dictionary to PLAIN once, so the first `coded` pages are the coded ones
         dict_pages = coded if coded < sum(n for _, n in data) else None
-    start = dictionary if dictionary is not None else meta[9]
-    return Chunk(start, meta[7], dictionary, CODECS[meta.get(4, 0)], dict_pages, (column[4], column[5]))
+    start = _bounded(dictionary if dictionary is not None else meta[9], I64_MAX, "a column chunk's first page")
+    index = (_bounded(column[4], I64_MAX, "an offset index's offset"), _bounded(column[5], I32_MAX, "an offset "
+                                                                                                  "index's length"))
+    return Chunk(start, _bounded(meta[7], I64_MAX, "a column chunk's size"), dictionary, CODECS[meta.get(4, 0)],
+                 dict_pages, index)
 
 
 class FilePages:
@@ -184,6 +199,14 @@ class FilePages:
     file); ``arrow_schema``: pyarrow's schema of the file."""
 
     def __init__(self, raw: bytes, arrow_schema: Any, columns: list[str]):
+        try:
+            self._read(raw, arrow_schema, columns)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise PageIndexError(f"the footer does not describe its columns' pages ({type(exc).__name__}: "
+                                 f"{exc})") from None
+        self._pages: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def _read(self, raw: bytes, arrow_schema: Any, columns: list[str]) -> None:
         length = int.from_bytes(raw[-8:-4], "little")
         meta, _ = read_struct(raw[len(raw) - 8 - length:len(raw) - 8])
         schema = _Schema(meta[2])
@@ -193,7 +216,9 @@ class FilePages:
             if node is not None and name in columns:
                 self.nodes[name] = node
         self.chunks: list[dict[int, Chunk]] = []
+        self.rows: list[int] = []
         for group in meta.get(4, []):
+            self.rows.append(_bounded(group[3], I64_MAX, "a row group's row count"))
             chunks = {}
             for name, node in list(self.nodes.items()):
                 for leaf in node.leaves():
@@ -205,7 +230,11 @@ class FilePages:
                     continue
                 del self.nodes[name]  # one row group without a page index: that column goes by row group
             self.chunks.append(chunks)
-        self._pages: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    @property
+    def names(self) -> dict[int, str]:
+        """Each leaf's column (by leaf position)."""
+        return {leaf.index: name for name, node in self.nodes.items() for leaf in node.leaves()}
 
     def leaves(self) -> list[Leaf]:
         return [leaf for node in self.nodes.values() for leaf in node.leaves()]
@@ -224,13 +253,40 @@ class FilePages:
         key = (group, leaf)
         found = self._pages.get(key)
         if found is None:
-            at, data = index
-            offset, _ = self.chunks[group][leaf].index
-            parsed, _ = read_struct(data, offset - at)
-            locations = parsed.get(1, [])
-            offsets, sizes, firsts = (np.array([p.get(k, 0) for p in locations], dtype=np.int64) for k in (1, 2, 3))
-            found = self._pages[key] = (offsets, sizes, firsts)
+            found = self._pages[key] = self._index(index, group, leaf)
         return found
+
+    def _index(self, index: tuple[int, bytes], group: int, leaf: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        at, data = index
+        chunk = self.chunks[group][leaf]
+        offset, length = chunk.index
+        where = f"row group {group}, column {self.names.get(leaf, leaf)!r}"
+        if not 0 <= offset - at <= offset - at + length <= len(data):
+            raise PageIndexError(f"{where}: the offset index's bytes lie outside the page index fetched")
+        parsed, _ = read_struct(memoryview(data)[:offset - at + length], offset - at)
+        locations = parsed.get(1)
+        if not isinstance(locations, list) or not locations or not all(isinstance(p, dict) for p in locations):
+            raise PageIndexError(f"{where}: the offset index lists no page")
+        try:
+            offsets, sizes, firsts = (np.array([p[k] for p in locations], dtype=np.int64) for k in (1, 2, 3))
+        except (KeyError, TypeError, OverflowError, ValueError):
+            raise PageIndexError(f"{where}: a page's location in the offset index lacks its offset, size or "
+                                 "first row") from None
+        end, rows = chunk.start + chunk.length, self.rows[group]
+        if firsts[0] != 0 or np.any(np.diff(firsts) <= 0) or firsts[-1] >= max(rows, 1):
+            raise PageIndexError(f"{where}: the offset index's first rows {firsts[:8].tolist()}... are not "
+                                 f"increasing from 0 within the row group's {rows} rows")
+        if np.any(sizes <= 0) or offsets[0] < chunk.start or np.any(offsets[1:] < offsets[:-1] + sizes[:-1]) \
+                or offsets[-1] + sizes[-1] > end:
+            raise PageIndexError(f"{where}: the offset index's pages do not lie in order within the column "
+                                 f"chunk's bytes [{chunk.start}, {end})")
+        return offsets, sizes, firsts
+
+    def page_rows(self, index: tuple[int, bytes], group: int, leaf: int, page: int) -> int:
+        """How many rows the page index gives page ``page`` of a chunk."""
+        firsts = self.pages(index, group, leaf)[2]
+        end = self.rows[group] if page + 1 == len(firsts) else int(firsts[page + 1])
+        return end - int(firsts[page])
 
     def pieces(self, index: tuple[int, bytes], group: int, row: int, leaf: Leaf) -> list[tuple[Any, int, int]]:
         """``(key, offset, length)`` of what row ``row`` of row group ``group`` needs of
@@ -256,8 +312,15 @@ class FilePages:
             end = int(self._pages[group, leaf][0][0])
         return (group, leaf, "dict"), chunk.dictionary, end - chunk.dictionary
 
-    def locate(self, index: tuple[int, bytes], group: int, row: int, leaf: Leaf) -> tuple[int, int]:
-        """``(page offset in the file, first row of that page)`` of row ``row``'s page of ``leaf``."""
+    def locate(self, index: tuple[int, bytes], group: int, row: int, leaf: Leaf) -> tuple[int, int, int]:
+        """``(page offset in the file, first row of that page, its rows)`` of row ``row``'s page
+        of ``leaf``."""
         offsets, _, firsts = self.pages(index, group, leaf.index)
         page = int(np.searchsorted(firsts, row, side="right")) - 1
-        return int(offsets[page]), int(firsts[page])
+        return int(offsets[page]), int(firsts[page]), self.page_rows(index, group, leaf.index, page)
+
+
+def _bounded(value: Any, top: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+        raise PageIndexError(f"{what} is {value!r}, not an int in [0, {top}]")
+    return value

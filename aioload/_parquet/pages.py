@@ -20,17 +20,18 @@ import numpy as np
 
 from aioload._parquet.pageindex import FilePages, Leaf
 from aioload._parquet.rowgroups import RowGroupCache
-from aioload._parquet.values import PageError, column_value, leaf_value, needs_dictionary, page_values
+from aioload._parquet.values import Entries, column_value, dictionary, leaf_value, needs_dictionary, page_values
 from aioload._storage.storage import Storage, read_buffer
 
 
 class Piece:
     """Fetched bytes of a file: ``data`` from byte ``offset``; ``nbytes``, its weight in a cache;
-    ``decoded``: a small chunk's pages decoded whole, by their position in ``data``."""
+    ``decoded``: a small chunk's pages decoded whole, by their position in ``data``, and a
+    dictionary page's entries (key ``("dict", position)``)."""
 
     def __init__(self, offset: int, data: Any):
         self.offset, self.data, self.nbytes = offset, data, len(data)
-        self.decoded: dict[int, list[tuple[int, Any]]] = {}
+        self.decoded: dict[Any, list] = {}
 
 
 async def fetch_piece(storage: Storage, url: str, offset: int, length: int) -> Piece:
@@ -39,6 +40,21 @@ async def fetch_piece(storage: Storage, url: str, offset: int, length: int) -> P
         raise OSError(f"{url}: {len(data)} of {length} bytes came back from byte {offset}: the file is "
                       "shorter than its footer says (truncated, or written again since it was read)")
     return Piece(offset, data)
+
+
+WHOLE_PAGE_ROWS = 1 << 16
+"""A small chunk's page of up to this many rows is decoded whole once (its rows kept as Python
+values); a longer one (a few bytes of RLE can hold 2**31 nulls) is decoded a row at a time."""
+
+
+def _entries(piece: Piece, at: int, codec: str | None, leaf: Leaf) -> Entries:
+    """The dictionary page at ``piece.data[at]``, decoded on first use and kept with the piece."""
+    def entries() -> list:
+        found = piece.decoded.get(("dict", at))
+        if found is None:
+            found = piece.decoded[("dict", at)] = dictionary(piece.data, at, codec, leaf)
+        return found
+    return entries
 
 
 class RowPages:
@@ -53,24 +69,26 @@ class RowPages:
 
     def leaf_value(self, plan: FilePages, leaf: Leaf) -> tuple[int, Any]:
         chunk = plan.chunks[self.group][leaf.index]
-        page_at, first = plan.locate(self.index, self.group, self.row, leaf)
+        page_at, first, rows = plan.locate(self.index, self.group, self.row, leaf)
         whole = self.pieces.get((self.group, leaf.index, "chunk"))
-        dictionary = None
+        entries = None
+        if whole is not None and rows > WHOLE_PAGE_ROWS:  # a long page in a small chunk (a run of nulls, say)
+            if chunk.dictionary is not None:
+                entries = _entries(whole, chunk.dictionary - whole.offset, chunk.codec, leaf)
+            return leaf_value(whole.data, page_at - whole.offset, chunk.codec, self.row - first, leaf, entries, rows)
         if whole is not None:  # a small chunk: its page decoded once for every row that comes to it
             at = page_at - whole.offset
             decoded = whole.decoded.get(at)
             if decoded is None:
                 if chunk.dictionary is not None:
-                    dictionary = (whole.data, chunk.dictionary - whole.offset)
-                decoded = whole.decoded[at] = page_values(whole.data, at, chunk.codec, leaf, dictionary)
-            if not 0 <= self.row - first < len(decoded):
-                raise PageError(f"the row is value {self.row - first} of a page of {len(decoded)}")
+                    entries = _entries(whole, chunk.dictionary - whole.offset, chunk.codec, leaf)
+                decoded = whole.decoded[at] = page_values(whole.data, at, chunk.codec, leaf, entries, rows)
             return decoded[self.row - first]
         page = self.pieces[self.group, leaf.index, self._page(plan, leaf)]
         found = self.pieces.get((self.group, leaf.index, "dict"))
         if found is not None:
-            dictionary = (found.data, 0)
-        return leaf_value(page.data, 0, chunk.codec, self.row - first, leaf, dictionary)
+            entries = _entries(found, 0, chunk.codec, leaf)
+        return leaf_value(page.data, 0, chunk.codec, self.row - first, leaf, entries, rows)
 
     def _page(self, plan: FilePages, leaf: Leaf) -> int:
         firsts = plan.pages(self.index, self.group, leaf.index)[2]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from aioload._plan.deal import Deal
@@ -31,17 +32,14 @@ class Segment:
     above: tuple[int, ...] = ()
 
 
-def delivered_mask(batch_of: torch.Tensor, low: int, above) -> torch.Tensor:
-    """Which entries of ``batch_of`` (a batch number per slot) name a delivered batch."""
-    mask = batch_of < low
-    if above:
-        mask |= torch.isin(batch_of, torch.tensor(sorted(above), dtype=torch.int64))
-    return mask
-
-
-SLOTS_AT_ONCE = 1 << 22
-"""Slots (a rank's place in its share) :func:`remainder` looks at in one step: its memory is a
-few times this many int64s, whatever the epoch's length."""
+def delivered_places(kept: int, batch_size: int, segment: Segment) -> np.ndarray:
+    """Which of a rank's first ``kept`` places (a share's slots in order) are in a batch that
+    ``segment`` delivered."""
+    done = np.zeros(kept, dtype=bool)
+    done[:segment.low * batch_size] = True
+    for number in segment.above:
+        done[number * batch_size:(number + 1) * batch_size] = True
+    return done
 
 
 def remainder(length: int, deal: Deal, segment: Segment) -> torch.Tensor:
@@ -50,34 +48,37 @@ def remainder(length: int, deal: Deal, segment: Segment) -> torch.Tensor:
     counts as delivered if either of its slots was.
 
     Computed over every rank's slots at once (no loop over ranks), so that its cost follows the
-    sequence, whatever the world size a saved state names. The slots of all ranks, numbered as
-    :meth:`Deal.positions` numbers them, form a grid: with ``"stride"`` a row per place in a
-    rank's share (rank ``r``'s slot there is ``place * world_size + r``), with ``"blocks"`` a
-    row per rank (``r * share + place``); a slot's position is its number modulo ``length``.
-    With more ranks than positions each rank holds one slot, in batch 0: ``length`` ranks of
-    them cover the same positions."""
+    sequence, whatever the world size a saved state names, and in numpy (one thread: torch's
+    threads cost ten times as much CPU on these short steps, once per saved segment). The slots
+    of all ranks, numbered as :meth:`Deal.positions` numbers them, are ``world x share`` of them:
+    with ``"stride"`` place ``p`` of rank ``r`` is slot ``p * world + r``, with ``"blocks"``
+    ``r * share + p``; a slot's position is its number modulo ``length``, and there are fewer
+    than ``2 * length`` slots (padding repeats less than a rank's share), so each position has
+    at most two. With more ranks than positions each rank holds one slot, in batch 0:
+    ``length`` ranks of them cover the same positions."""
     share, kept = deal.per_rank(length), deal.kept(length)
     if length == 0 or kept == 0:
         return torch.zeros(0, dtype=torch.int64)
     world = min(deal.world_size, length) if share == 1 else deal.world_size
-    places = torch.arange(kept, dtype=torch.int64)
-    done = delivered_mask(places // deal.batch_size, segment.low, segment.above)  # by place in a share
-    stride = deal.kind == STRIDE
-    rows, width = (kept, world) if stride else (world, share)
-    dealt = torch.zeros(length, dtype=torch.bool)
-    seen = torch.zeros(length, dtype=torch.bool)
-    step = max(1, SLOTS_AT_ONCE // width)
-    for first in range(0, rows, step):
-        last = min(first + step, rows)
-        grid = (torch.arange(first * width, last * width, dtype=torch.int64) % length).view(last - first, width)
-        if stride:
-            dealt[grid] = True
-            seen[grid[done[first:last]]] = True
-        else:
-            grid = grid[:, :kept]
-            dealt[grid] = True
-            seen[grid[:, done]] = True
-    return torch.nonzero(dealt & ~seen).reshape(-1)
+    done = delivered_places(kept, deal.batch_size, segment)
+    if deal.kind == STRIDE:  # slot p * world + r: a place's slots are consecutive
+        dealt = np.ones(kept * world, dtype=bool)
+        seen = np.repeat(done, world)
+    else:  # slot r * share + p: each rank's share in turn, its first `kept` places in a batch
+        in_batch = np.arange(share) < kept
+        dealt = np.tile(in_batch, world)
+        seen = np.tile(np.concatenate([done, np.zeros(share - kept, dtype=bool)]), world)
+    return torch.from_numpy(np.flatnonzero(_fold(dealt, length) & ~_fold(seen, length)))
+
+
+def _fold(slots: np.ndarray, length: int) -> np.ndarray:
+    """A mark per position: any of its slots (``slot mod length``) marked."""
+    out = np.zeros(length, dtype=bool)
+    head = slots[:length]
+    out[:len(head)] = head
+    wrapped = slots[length:]
+    out[:len(wrapped)] |= wrapped
+    return out
 
 
 def rest_of_epoch(length: int, segments, deal_for) -> torch.Tensor:
