@@ -6,7 +6,9 @@ it lost with the file, row group and row named (``on_error="skip"`` leaves them 
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from collections import Counter
 
 import pyarrow.parquet as pq
@@ -15,7 +17,7 @@ import torch
 
 import aioload
 from tests.httpserver import serving_copy
-from tests.parquet_data import image_samples, reference, write_datasets, write_pyarrow
+from tests.parquet_data import image_samples, pil_pixels, reference, write_by_path, write_datasets, write_pyarrow
 
 pytestmark = pytest.mark.usefixtures("private_cache")  # conftest.py: $AIOLOAD_CACHE of its own
 
@@ -34,6 +36,16 @@ def folder(samples, tmp_path_factory):
     write_pyarrow(samples, root, per_file=20, row_group_size=6)
     write_datasets(samples, root / "hf.parquet", batch_size=8)
     return root
+
+
+@pytest.fixture(scope="module")
+def by_path(image_root, tmp_path_factory):
+    """A folder of images and a Parquet file of their paths relative to it (``datasets``')."""
+    root = tmp_path_factory.mktemp("served-by-path")
+    shutil.copytree(image_root, root / "images")
+    relative = [os.path.relpath(p, image_root) for p, _ in aioload.ImageFolder(image_root).samples][::6]
+    write_by_path([f"images/{p}" for p in relative], list(range(len(relative))), root / "paths.parquet", "datasets")
+    return root, relative
 
 
 @pytest.fixture
@@ -91,6 +103,20 @@ def test_a_datasets_file_over_http_decodes_its_images(server, samples):
         got = [sample for batch in dl for sample in batch]
     for (image, label), (_, data, target) in zip(got, samples, strict=True):
         assert torch.equal(image, aioload.decode_image(data)) and label == target
+
+
+def test_images_stored_by_path_are_read_beside_the_file_over_http(by_path, tmp_path):
+    root, relative = by_path
+    with serving_copy(root, tmp_path) as server:
+        ds = aioload.Parquet(server.url("paths.parquet"), storage=aioload.Storage(retry=RETRY))
+        assert ds.images == ["image"]
+        with aioload.DataLoader(ds, batch_size=3, num_workers=2, collate_fn=as_list) as dl:
+            got = [row for batch in dl for row in batch]
+        assert [row["label"] for row in got] == list(range(len(relative)))
+        for row, rel in zip(got, relative, strict=True):
+            assert torch.equal(row["image"], pil_pixels(root / "images" / rel))
+        served = {name for name in server.requests if name.endswith(".jpg")}
+        assert served == {f"images/{rel}" for rel in relative}  # through the server, beside the file
 
 
 def test_5xx_answers_are_retried(server, folder):
