@@ -314,6 +314,8 @@ class Parquet(Dataset):
         index = self._check(index)
         f, g, r = self._layout.locate(index)
         plan = self._plan(f)
+        if plan is not None and not await self._page_index(f, plan):
+            plan = None
         if plan is None:
             return await self._cache.get((f, g), lambda: self._fetch(f, g)), index, None
         assert self._pages is not None
@@ -330,6 +332,24 @@ class Parquet(Dataset):
             raise ParquetError(f"{self.describe(index)}: the file's page index cannot be read ({exc}); the file "
                                "is corrupt, or was written again since its footer was read") from exc
         return chunks, index, found
+
+    async def _page_index(self, f: int, plan: FilePages) -> bool:
+        """Whether file ``f``'s page index is here. One that cannot be fetched (it is written
+        after the data, so a file cut short since its footer was read has lost it) makes the
+        file read by row group from then on in this process: its intact row groups still serve
+        their rows, and only the rows of those lost fail."""
+        assert self._pages is not None
+        if self._pages.index_nowait(f) is not None:
+            return True
+        try:
+            await self._pages.index(self.storage, self.urls[f], f, plan)
+        except OSError as exc:
+            if self._plans.get(f) is not None:
+                logger.warning("%s: its page index cannot be fetched (%s); its rows are read by row group",
+                               self.urls[f], exc)
+                self._plans[f] = None
+            return False
+        return True
 
     def read_blocking(self, index: int) -> tuple[Chunks | None, int, RowPages | None]:
         ready = self.read_nowait(index)
