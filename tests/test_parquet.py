@@ -161,6 +161,16 @@ def test_window_mode_fetches_each_row_group_once(files):
     assert uniform._cache.fetches > 2 * len(ds.row_group_rows)  # a uniform shuffle: nearly a fetch a row
 
 
+@pytest.mark.unit
+def test_layout_locates_rows_across_files_and_empty_ones():
+    from aioload._parquet.order import Layout
+
+    layout = Layout([np.array([3, 2]), np.array([], dtype=np.int64), np.array([4])])
+    assert len(layout) == 9
+    assert [layout.locate(i) for i in (0, 2, 3, 4, 5, 8)] == [(0, 0, 0), (0, 0, 2), (0, 1, 0), (0, 1, 1), (2, 0, 0),
+                                                                (2, 0, 3)]
+
+
 # -- errors -------------------------------------------------------------------------------------
 def test_a_file_that_is_not_parquet_is_named(files, tmp_path):
     bad = tmp_path / "notes.parquet"
