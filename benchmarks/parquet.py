@@ -3,6 +3,18 @@ map-style Arrow cache) and LitData's Parquet reader, locally and behind HTTP lat
 
     python benchmarks/parquet.py                 # 2,048 images in 8 class-sorted files; local and 20 ms
     python benchmarks/parquet.py --images 512 --rounds 1 --json out.json
+    python benchmarks/parquet.py --images 4000 --scale 1.45   # 4,000 photos of about 136 KiB
+    python benchmarks/parquet.py --images 4000 --scale 1.45 --writer datasets --cache-mb 16 --latencies ""
+    python benchmarks/parquet.py --images 4000 --scale 1.45 --no-decode      # the per-row cost alone
+
+With ``--scale`` (each side of the photos that many times make-data's) or ``--writer datasets``
+the photos are made here instead (once, in ``$AIOLOAD_CACHE/parquet-bench-photos-...``, with
+as many processes as CPUs), then written as Parquet files sorted by class: as make-data lays
+them out (``--writer aioload``: a page per image), or by ``datasets``' ``to_parquet`` with its
+defaults (``--writer datasets``: one row group a file here, content-defined pages of
+256 KiB-1 MiB, several photos each, and a page index). ``--no-decode``: every row yields its
+image's byte count instead of the decoded crop (no ``torch ImageFolder`` row then), so the
+table shows what each loader costs per row.
 
 The data: ``aioload make-data --format parquet``'s files (``aioload._tools.synth.make_parquet``):
 ``--images`` synthetic ImageNet-like JPEGs in ``--classes`` classes, laid out as the Hub's image
@@ -50,13 +62,15 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import aioload
 from aioload._tools import benchscenarios
 from aioload._tools.bench import BenchImages, median, rrc_flip
 from aioload._tools.benchscenarios import COLUMNS, aioload_loader, decode_pair, folder_bytes, uniform_classes
-from aioload._tools.synth import cache_dir, make_image_folder, make_parquet
+from aioload._tools.synth import PARQUET_ROWS_PER_GROUP, PARQUET_WRITE_OPTIONS, cache_dir, make_image_folder, make_parquet
+from aioload._tools.synth import _image as synth_image
 
 UNIFORM = "aioload uniform"
 STREAMING = "datasets streaming"
@@ -64,24 +78,105 @@ ARROW = "datasets Arrow"
 LITDATA = "LitData"
 TORCH_FILES = "torch ImageFolder (files)"
 
-def decode_row(row):
-    return decode_pair(row["image"]["bytes"], row["label"])
+class Decode:
+    """What every row does with a Parquet row: its JPEG decoded, cropped and flipped
+    (``decode_pair``), or with ``--no-decode`` only its byte count (the loaders' own per-row
+    cost, without the decode that hides it). An object, so that it travels to spawned workers."""
+
+    def __init__(self, decode: bool = True):
+        self.decode = decode
+
+    def __call__(self, row):
+        if self.decode:
+            return decode_pair(row["image"]["bytes"], row["label"])
+        return torch.tensor(len(row["image"]["bytes"])), int(row["label"])
 
 
 # ----------------------------------------------------------------------------- the data
 
 
+def _photo(args) -> None:
+    """Photos ``lo..hi`` of a folder: ``make-data``'s images with each side ``scale`` times as long."""
+    from PIL import Image
+
+    root, classes, scale, lo, hi = args
+    for i in range(lo, hi):
+        path = root / f"class_{i % classes:03d}" / f"img_{i:06d}.jpg"
+        if path.exists():
+            continue
+        rng = np.random.default_rng([0, i])
+        width, height = int(rng.integers(330, 500) * scale), int(rng.integers(280, 420) * scale)
+        quality = int(rng.integers(85, 96))
+        tmp = path.with_suffix(".tmp")
+        Image.fromarray(synth_image(rng, width, height)).save(tmp, format="JPEG", quality=quality)
+        os.replace(tmp, path)
+
+
+def make_photos(root: Path, images: int, classes: int, scale: float) -> Path:
+    """(Once) a folder of larger photos in ``make-data``'s layout (``--scale 1.45``: about 144 KiB)."""
+    if (root / ".complete").exists():
+        return root
+    for c in range(classes):
+        (root / f"class_{c:03d}").mkdir(parents=True, exist_ok=True)
+    import multiprocessing as mp
+
+    jobs = [(root, classes, scale, lo, min(lo + 100, images)) for lo in range(0, images, 100)]
+    with mp.get_context("fork").Pool(os.cpu_count() or 1) as pool:
+        for done, _ in enumerate(pool.imap_unordered(_photo, jobs), 1):
+            benchscenarios.progress(f"photos: {min(done * 100, images)}/{images}")
+    (root / ".complete").touch()
+    return root
+
+
+def write_parquet(photos: Path, root: Path, classes: int, rows_per_file: int, writer: str) -> Path:
+    """(Once) the photos as Parquet files sorted by class, as ``make-data`` lays them out
+    (``writer="aioload"``: a page per image) or as ``datasets``' ``to_parquet`` writes them by
+    default (``"datasets"``: pages of 256 KiB-1 MiB, several images each)."""
+    import datasets
+
+    if (root / ".complete").exists():
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    datasets.disable_progress_bars()
+    folder = aioload.ImageFolder(photos)
+    samples = sorted(folder.samples, key=lambda s: (s[1], s[0]))  # class by class
+    files = -(-len(samples) // rows_per_file)
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=[f"class_{c:03d}" for c in range(classes)])})
+    for n in range(files):
+        part = samples[n * rows_per_file:(n + 1) * rows_per_file]
+        rows = {"image": [{"bytes": Path(p).read_bytes(), "path": os.path.basename(p)} for p, _ in part],
+                "label": [c for _, c in part]}
+        path = root / f"train-{n:05d}-of-{files:05d}.parquet"
+        ds = datasets.Dataset.from_dict(rows, features=features)
+        if writer == "datasets":
+            ds.to_parquet(str(path))
+        else:
+            import pyarrow.parquet as pq
+
+            pq.write_table(ds.data.table, path, row_group_size=PARQUET_ROWS_PER_GROUP, **PARQUET_WRITE_OPTIONS)
+    (root / ".complete").touch()
+    return root
+
+
 class Data:
     """The Parquet files, LitData's index of a copy of them, and the same images as files."""
 
-    def __init__(self, images: int, classes: int, rows_per_file: int):
-        base = cache_dir() / f"parquet-bench-paged-{images}-{classes}-{rows_per_file}"
+    def __init__(self, images: int, classes: int, rows_per_file: int, scale: float = 1.0, writer: str = "aioload"):
         processes = os.cpu_count() or 1
+        if scale == 1.0 and writer == "aioload":  # make-data's images and files
+            base = cache_dir() / f"parquet-bench-paged-{images}-{classes}-{rows_per_file}"
+            self.folder = make_parquet(base / "parquet", images, classes=classes, seed=0, processes=processes,
+                                       rows_per_file=rows_per_file, quiet=False)
+            self.root = make_image_folder(base / "images", images=images, classes=classes, seed=0,
+                                          processes=processes)
+        else:
+            base = cache_dir() / f"parquet-bench-photos-{images}-{classes}-x{scale:g}"
+            self.root = make_photos(base / "images", images, classes, scale)
+            self.folder = write_parquet(self.root, base / f"{writer}-{rows_per_file}", classes, rows_per_file, writer)
+            base = self.folder  # LitData's copy and datasets' Arrow cache, beside each set of files
         self.base = base
-        self.folder = make_parquet(base / "parquet", images, classes=classes, seed=0, processes=processes,
-                                   rows_per_file=rows_per_file, quiet=False)
         self.files = sorted(p.name for p in self.folder.glob("*.parquet"))
-        self.root = make_image_folder(base / "images", images=images, classes=classes, seed=0, processes=processes)
         self.labels = [int(x) for x in aioload.Parquet(self.folder, columns=["label"]).read_column("label").to_pylist()]
 
     def paths(self) -> list[str]:
@@ -119,8 +214,8 @@ class Streaming(torch.utils.data.IterableDataset):
     """``datasets``' streaming recipe with the same decode; ``datasets`` gives each of torch's
     workers its share of the files."""
 
-    def __init__(self, urls: list[str], seed: int):
-        self.urls, self.seed = urls, seed
+    def __init__(self, urls: list[str], seed: int, decode: Decode):
+        self.urls, self.seed, self.decode = urls, seed, decode
 
     def __iter__(self):
         import datasets
@@ -129,20 +224,20 @@ class Streaming(torch.utils.data.IterableDataset):
         ds = datasets.load_dataset("parquet", data_files=self.urls, split="train", streaming=True)
         ds = ds.cast_column("image", datasets.Image(decode=False)).shuffle(seed=self.seed, buffer_size=1000)
         for row in ds:
-            yield decode_row(row)
+            yield self.decode(row)
 
 
 class Arrow(torch.utils.data.Dataset):
     """``datasets``' map-style dataset (memory-mapped Arrow) with the same decode."""
 
-    def __init__(self, ds):
-        self.ds = ds
+    def __init__(self, ds, decode: Decode):
+        self.ds, self.decode = ds, decode
 
     def __len__(self) -> int:
         return len(self.ds)
 
     def __getitem__(self, index):
-        return decode_row(self.ds[index])
+        return self.decode(self.ds[index])
 
 
 try:
@@ -154,8 +249,12 @@ else:
     class LitRows(litdata.StreamingDataset):
         """LitData's StreamingDataset over Parquet with the same decode."""
 
+        def __init__(self, *args, decode: Decode, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.decode = decode
+
         def __getitem__(self, index):
-            return decode_row(super().__getitem__(index))
+            return self.decode(super().__getitem__(index))
 
 
 def rows_for(scenario: str, data: Data, base: str | None, args) -> dict:
@@ -163,30 +262,32 @@ def rows_for(scenario: str, data: Data, base: str | None, args) -> dict:
     urls = data.urls(base)
     storage = aioload.Storage(connections_per_host=max(64, args.io_concurrency))
     cache = int(args.cache_mb * 2**20)
-    uniform = aioload.Parquet(urls, columns=["image", "label"], decode=decode_row, storage=storage,
+    decode = Decode(not args.no_decode)
+    uniform = aioload.Parquet(urls, columns=["image", "label"], decode=decode, storage=storage,
                               cache_bytes=cache)
-    window = aioload.Parquet(urls, columns=["image", "label"], decode=decode_row, storage=storage,
+    window = aioload.Parquet(urls, columns=["image", "label"], decode=decode, storage=storage,
                              window=args.window, cache_bytes=cache)
     torch_loader = torch.utils.data.DataLoader
     rows = {
         UNIFORM: lambda epoch: aioload_loader(uniform, args, epoch),
         f"aioload window={args.window}": lambda epoch: aioload_loader(window, args, epoch),
-        STREAMING: lambda epoch: torch_loader(Streaming(urls, epoch), batch_size=args.batch_size,
+        STREAMING: lambda epoch: torch_loader(Streaming(urls, epoch, decode), batch_size=args.batch_size,
                                               num_workers=args.workers, drop_last=True),
     }
     if scenario == "local":
-        arrow = Arrow(data.arrow())
+        arrow = Arrow(data.arrow(), decode)
         rows[ARROW] = lambda epoch: torch_loader(arrow, batch_size=args.batch_size, shuffle=True,
                                                  num_workers=args.workers, drop_last=True)
         if litdata is not None:
             folder = str(data.litdata_folder())
             rows[LITDATA] = lambda epoch: litdata.StreamingDataLoader(
-                LitRows(folder, item_loader=ParquetLoader(), shuffle=True, seed=epoch),
+                LitRows(folder, item_loader=ParquetLoader(), shuffle=True, seed=epoch, decode=decode),
                 batch_size=args.batch_size, num_workers=args.workers, drop_last=True,
                 multiprocessing_context="spawn")  # LitData refuses fork with its Parquet reader (polars' threads)
-        files = BenchImages(data.root, rrc_flip())
-        rows[TORCH_FILES] = lambda epoch: torch_loader(files, batch_size=args.batch_size, shuffle=True,
-                                                       num_workers=args.workers, drop_last=True)
+        if not args.no_decode:
+            files = BenchImages(data.root, rrc_flip())
+            rows[TORCH_FILES] = lambda epoch: torch_loader(files, batch_size=args.batch_size, shuffle=True,
+                                                           num_workers=args.workers, drop_last=True)
     return rows
 
 
@@ -205,7 +306,7 @@ def extra_disk(name: str, data: Data) -> int:
 
 def run(args) -> dict:
     benchscenarios.check_images(args)
-    data = Data(args.images, args.classes, args.rows_per_file)
+    data = Data(args.images, args.classes, args.rows_per_file, args.scale, args.writer)
     out, ceilings = benchscenarios.run_scenarios(
         args, data.folder, lambda s, base: rows_for(s, data, base, args), data.paths(),
         lambda name, result: {"disk_mb": extra_disk(name, data) / 1e6}, width=26)
@@ -214,8 +315,10 @@ def run(args) -> dict:
 
 
 def print_result(result: dict, args) -> None:
-    print(f"\n## Parquet: {args.images} images in {result['files']} class-sorted files, row groups of 100 rows, "
-          f"{args.classes} classes; RandomResizedCrop(224) + flip, batch {args.batch_size}, {args.workers} workers, "
+    what = "byte count (no decode)" if args.no_decode else "RandomResizedCrop(224) + flip"
+    print(f"\n## Parquet: {args.images} images (x{args.scale:g} make-data's sides) in {result['files']} class-sorted "
+          f"files written as {args.writer} writes them, {args.classes} classes; {what}, batch {args.batch_size}, "
+          f"{args.workers} workers, "
           f"{args.rounds} rounds; aioload's row group cache {args.cache_mb:g} MB a worker; HTTP paced to "
           f"{args.mb_per_s:g} MB/s per response\n")
     benchscenarios.print_table(result, args, COLUMNS, width=26)
@@ -227,7 +330,8 @@ def print_goals(result: dict) -> None:
     lines = []
     for name in [n for (s, n) in rows if n.startswith("aioload") and s == "local"]:
         row = rows["local", name]
-        for other, goal in ((STREAMING, 1.5), (LITDATA, 1.0), (ARROW, None), (TORCH_FILES, None)):
+        lit = 1.2 if name == UNIFORM else 1.0  # issue 39's goals
+        for other, goal in ((STREAMING, 1.5), (LITDATA, lit), (ARROW, None), (TORCH_FILES, None)):
             if ("local", other) in rows and rows["local", other]["img_s"]:
                 ratio = row["img_s"] / rows["local", other]["img_s"]
                 lines.append(f"locally, {name}: {ratio:.2f}x {other}'s img/s"
@@ -244,6 +348,13 @@ def main(argv=None) -> int:
     parser.add_argument("--images", type=int, default=2048)
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--rows-per-file", type=int, default=256)
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="each side of the photos this many times make-data's (1.45: photos of about 144 KiB)")
+    parser.add_argument("--writer", choices=["aioload", "datasets"], default="aioload",
+                        help="how the files are written: make-data's layout (a page per image), or datasets' "
+                             "to_parquet defaults (pages of 256 KiB-1 MiB)")
+    parser.add_argument("--no-decode", action="store_true",
+                        help="rows yield their image's byte count instead of decoding it: the loaders' per-row cost")
     parser.add_argument("--latencies", type=lambda t: [float(x) for x in t.split(",") if x.strip()], default=[20.0],
                         help="HTTP latencies in ms, comma-separated (default: 20)")
     parser.add_argument("--no-local", action="store_true", help="skip the local scenario")

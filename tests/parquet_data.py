@@ -4,11 +4,15 @@ columns, several files and row groups) and by ``datasets`` (its ``Image`` featur
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from tests.shards_data import image_samples
 
-__all__ = ["image_samples", "plain", "reference", "write_datasets", "write_pyarrow"]
+__all__ = ["image_samples", "pil_pixels", "plain", "reference", "write_by_path", "write_datasets", "write_pyarrow"]
 
 
 def write_pyarrow(samples, folder: Path, per_file: int, row_group_size: int, **options) -> list[str]:
@@ -45,6 +49,42 @@ def write_datasets(samples, path: Path, batch_size: int) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     ds.to_parquet(str(path), batch_size=batch_size)
     return str(path)
+
+
+def write_by_path(paths: list[str], labels: list[int], target: Path, writer: str) -> str:
+    """One file whose ``image`` column holds paths, not bytes (``{"bytes": None, "path": p}``):
+    written by ``datasets`` (``Image()`` cast from the paths, then ``to_parquet``, which keeps
+    them as they are) or by pyarrow (the same struct, without ``datasets``' metadata: pass
+    ``images=``). Relative paths are relative
+    to ``target``'s folder (``datasets`` checks them from there while it writes)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if writer == "pyarrow":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        image = pa.array([{"bytes": None, "path": p} for p in paths],
+                         pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+        pq.write_table(pa.table({"image": image, "label": labels}), target, row_group_size=5, write_page_index=True)
+        return str(target)
+    import datasets
+
+    datasets.disable_progress_bars()
+    ds = datasets.Dataset.from_dict({"image": paths, "label": labels}).cast_column("image", datasets.Image())
+    here = os.getcwd()
+    os.chdir(target.parent)  # datasets sizes the files while it writes: relative paths from there
+    try:
+        ds.to_parquet(str(target), batch_size=5)
+    finally:
+        os.chdir(here)
+    return str(target)
+
+
+def pil_pixels(path) -> torch.Tensor:
+    """An image file's pixels as PIL decodes them, uint8 ``(3, H, W)``."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
 
 
 def reference(paths: list[str], columns: list[str]) -> list[dict]:

@@ -6,7 +6,9 @@ that fails to decode (``on_error="skip"`` leaves their rows out)."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import sys
 
 import pytest
@@ -15,7 +17,7 @@ import torch
 import aioload
 import numpy as np
 
-from tests.parquet_data import image_samples, plain, reference, write_datasets, write_pyarrow
+from tests.parquet_data import image_samples, pil_pixels, plain, reference, write_by_path, write_datasets, write_pyarrow
 
 COLUMNS = ["key", "label", "tokens"]
 
@@ -88,6 +90,40 @@ def test_a_file_written_by_datasets_decodes_its_image_feature(samples, tmp_path)
     assert raw[5] == {"bytes": samples[5][1], "path": None}  # decode= sees the struct as stored
 
 
+@pytest.mark.parametrize("writer", ["datasets", "pyarrow"])
+@pytest.mark.parametrize("window", [None, 2])
+def test_images_stored_by_path_are_read_from_it_relative_to_the_file_or_absolute(image_root, tmp_path, writer, window):
+    paths = [p for p, _ in aioload.ImageFolder(image_root).samples][::4]  # 12 images, 3 classes
+    images = tmp_path / "data" / "images"
+    shutil.copytree(image_root, images)
+    relative = [os.path.relpath(p, image_root) for p in paths]
+    local = write_by_path([os.path.join("images", p) for p in relative], list(range(12)),
+                          tmp_path / "data" / "relative.parquet", writer)
+    absolute = write_by_path(paths, list(range(12)), tmp_path / "elsewhere" / "absolute.parquet", writer)
+    for path, folder in ((local, images), (absolute, image_root)):
+        ds = aioload.Parquet(path, images=["image"], window=window)
+        with aioload.DataLoader(ds, batch_size=5, num_workers=2, shuffle=True, seed=0, collate_fn=as_list) as dl:
+            got = {row["label"]: row["image"] for row in rows_of(dl)}
+        assert sorted(got) == list(range(12))
+        for label, rel in enumerate(relative):
+            assert torch.equal(got[label], pil_pixels(folder / rel)), (path, rel)
+
+
+def test_an_image_path_that_cannot_be_read_names_the_row_column_and_fix(image_root, tmp_path):
+    paths = [p for p, _ in aioload.ImageFolder(image_root).samples][:6]
+    path = write_by_path([os.path.relpath(p, image_root) for p in paths], list(range(6)),
+                         tmp_path / "gone.parquet", "pyarrow")
+    ds = aioload.Parquet(path, images=["image"])
+    missing = os.path.join(tmp_path, os.path.relpath(paths[3], image_root))
+    with pytest.raises(aioload.ParquetError, match="^" + re.escape(
+            f"{path}, row group 0, row 3, column 'image': the value holds no bytes, only the path "
+            f"{os.path.relpath(paths[3], image_root)!r}, and {missing} cannot be read (FileNotFoundError: ")
+            + ".*" + re.escape("); put the file there (a relative path is read beside the Parquet file), or write "
+                               "its bytes into the Parquet file (datasets: embed_table_storage before to_parquet)")
+            + "$"):
+        ds[3]
+
+
 def test_a_folder_or_a_glob_is_its_parquet_files_sorted(files):
     folder = files[0].rsplit("/", 1)[0]
     assert list(aioload.Parquet(folder, columns=["key"]).urls) == files
@@ -123,6 +159,16 @@ def test_window_mode_fetches_each_row_group_once(files):
     with aioload.DataLoader(uniform, batch_size=4, shuffle=True, seed=1, collate_fn=as_list, io_concurrency=1) as dl:
         assert len(rows_of(dl)) == 48
     assert uniform._cache.fetches > 2 * len(ds.row_group_rows)  # a uniform shuffle: nearly a fetch a row
+
+
+@pytest.mark.unit
+def test_layout_locates_rows_across_files_and_empty_ones():
+    from aioload._parquet.order import Layout
+
+    layout = Layout([np.array([3, 2]), np.array([], dtype=np.int64), np.array([4])])
+    assert len(layout) == 9
+    assert [layout.locate(i) for i in (0, 2, 3, 4, 5, 8)] == [(0, 0, 0), (0, 0, 2), (0, 1, 0), (0, 1, 1), (2, 0, 0),
+                                                                (2, 0, 3)]
 
 
 # -- errors -------------------------------------------------------------------------------------

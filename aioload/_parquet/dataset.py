@@ -24,8 +24,10 @@ import glob as globmod
 import logging
 import operator
 import os
+import posixpath
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
+from urllib.parse import quote, urljoin
 
 import numpy as np
 import torch
@@ -41,7 +43,7 @@ from aioload._parquet.rowgroups import Chunks, RowGroupCache, fetch, ranges
 from aioload._shards.urls import shard_urls
 from aioload._storage import scope as _scope
 from aioload._storage.cache import LoaderShare
-from aioload._storage.storage import Storage, locate
+from aioload._storage.storage import Storage, is_url, locate
 from aioload._strings import StringList
 
 logger = logging.getLogger("aioload")
@@ -127,7 +129,8 @@ class Parquet(Dataset):
       ``lambda row: (augment(row["image"]), row["label"])``).
     * ``images`` -- columns the default ``decode`` decodes as images (uint8 ``(3, H, W)``, as
       :func:`aioload.decode_image`): by default those ``datasets`` marks as ``Image`` in the
-      files' metadata. A value may be the bytes or ``{"bytes", "path"}``.
+      files' metadata. A value may be the bytes or ``{"bytes", "path"}``; without bytes, the
+      image is read from its path (relative to the Parquet file, in the same store, or absolute).
     * ``audio`` -- keyword arguments of :func:`aioload.decode_audio` (``sample_rate``,
       ``seconds``, ...) for the columns ``datasets`` marks as ``Audio``; without it, sounds
       stay encoded.
@@ -337,6 +340,8 @@ class Parquet(Dataset):
         index = self._check(index)
         f, g, r = self._layout.locate(index)
         plan = self._plan_of(index, f)
+        if plan is not None and not await self._page_index(f, plan):
+            plan = None
         if plan is None:
             return await self._cache.get((f, g), lambda: self._fetch(f, g)), index, None
         assert self._pages is not None
@@ -356,6 +361,24 @@ class Parquet(Dataset):
     def _index_error(self, index: int, exc: Exception) -> ParquetError:
         return ParquetError(f"{self.describe(index)}: the file's page index cannot be read ({exc}); the file is "
                             "corrupt, or was written again since its footer was read")
+
+    async def _page_index(self, f: int, plan: FilePages) -> bool:
+        """Whether file ``f``'s page index is here. One that cannot be fetched (it is written
+        after the data, so a file cut short since its footer was read has lost it) makes the
+        file read by row group from then on in this process: its intact row groups still serve
+        their rows, and only the rows of those lost fail."""
+        assert self._pages is not None
+        if self._pages.index_nowait(f) is not None:
+            return True
+        try:
+            await self._pages.index(self.storage, self.urls[f], f, plan)
+        except OSError as exc:
+            if self._plans.get(f) is not None:
+                logger.warning("%s: its page index cannot be fetched (%s); its rows are read by row group",
+                               self.urls[f], exc)
+                self._plans[f] = None
+            return False
+        return True
 
     def read_blocking(self, index: int) -> tuple[Chunks | None, int, RowPages | None]:
         ready = self.read_nowait(index)
@@ -426,17 +449,37 @@ class Parquet(Dataset):
         """The default decode: the image columns to uint8 ``(3, H, W)`` tensors, the sound
         columns (with ``audio=``) to float32 ``(channels, samples)``."""
         for name in self.images:
-            data = _payload(row[name])
+            data = self._payload(row[name], index, name)
             if data is not None:
                 row[name] = _decode_image(data, lambda: f"{self.describe(index)}, column {name!r}")
         if self._audio is not None:
             from aioload._media.frombytes import decode_audio
 
             for name in self.sounds:
-                data = _payload(row[name])
+                data = self._payload(row[name], index, name)
                 if data is not None:
                     row[name] = decode_audio(data, where=f"{self.describe(index)}, column {name!r}", **self._audio)
         return row
+
+    def _payload(self, value: Any, index: int, name: str) -> Any:
+        """The encoded bytes of an image or sound value: bytes, or ``datasets``' ``{"bytes",
+        "path"}``, whose bytes are read from its path where the file holds none (as ``datasets``
+        does: a path written by ``Image()`` cast from file names); ``None`` where the value is
+        missing."""
+        if not isinstance(value, dict):
+            return value
+        data, path = value.get("bytes"), value.get("path")
+        if data is not None or not path:
+            return data
+        url = self.urls[self._layout.locate(index)[0]]
+        target = beside(url, path)
+        try:
+            return self.storage.read_bytes_blocking(target)
+        except Exception as exc:
+            raise ParquetError(f"{self.describe(index)}, column {name!r}: the value holds no bytes, only the path "
+                               f"{path!r}, and {target} cannot be read ({type(exc).__name__}: {exc}); put the file "
+                               "there (a relative path is read beside the Parquet file), or write its bytes into "
+                               "the Parquet file (datasets: embed_table_storage before to_parquet)") from exc
 
     # -- whole columns --------------------------------------------------------------------------
     def read_column(self, name: str) -> Any:
@@ -484,12 +527,18 @@ def _value(scalar: Any, numeric_list: bool) -> Any:
     return scalar.as_py()
 
 
-def _payload(value: Any) -> Any:
-    """The encoded bytes of an image or sound value: bytes, or ``datasets``' ``{"bytes", "path"}``
-    (``None`` where the value is missing)."""
-    if isinstance(value, dict):
-        return value.get("bytes")
-    return value
+def beside(url: str, path: str) -> str:
+    """Where the ``path`` stored in the Parquet file at ``url`` points: an absolute path or a URL
+    as it is, a relative path beside the file (in the same store)."""
+    if os.path.isabs(path) or is_url(path):
+        return path
+    kind, where = locate(url)
+    if kind == "local":
+        return os.path.join(os.path.dirname(where), path)
+    if kind == "http":
+        return urljoin(url, quote(path))
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{posixpath.normpath(posixpath.join(posixpath.dirname(rest), path))}"
 
 
 def _decode_image(data: Any, where: Callable[[], str]) -> torch.Tensor:
