@@ -99,6 +99,15 @@ def pytest_runtest_protocol(item, nextitem):
             fcntl.flock(gate, fcntl.LOCK_UN)
 
 
+def pytest_collection_modifyitems(config, items):
+    """In a parallel run, the files with a ``slow`` test are handed out first (each in its own
+    order), so that the last minutes are not one process's long file while the others idle."""
+    if not hasattr(config, "workerinput"):
+        return
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the order within a file stays
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
     """Each process of a parallel run keeps what aioload caches (shard indexes, Parquet footers)
