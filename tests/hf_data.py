@@ -6,6 +6,15 @@ worker processes and the rank scripts import them too).
 ``datasets.load_dataset(..., streaming=True)``, optionally shuffled with a buffer
 (``.shuffle(seed, buffer_size)``, which also shuffles the order of the files), and always
 ``.map``-ped to add a derived column, the pipeline a training recipe builds.
+
+A shuffled Parquet stream reads its files from a thread pool (``datasets`` interleaves up to
+10 shards into the buffer) and, when a pass ends or is closed, sleeps
+``datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN`` (5 s) so that pyarrow's own threads can wind
+down before the interpreter might exit (apache/arrow#45214, a crash at exit). Every run, stop and
+resume of the tests pays that sleep, in each worker: the tests' processes set it to
+:data:`THREADS_SHUTDOWN_S`. The rows, their order and the streams' states are the same; a test
+process never exits within it (workers leave through ``os._exit``, which runs no destructor;
+the rank scripts exit after their files are written and their process group is torn down).
 """
 
 from __future__ import annotations
@@ -16,6 +25,14 @@ from pathlib import Path
 import torch
 
 BUFFER = 8  # the shuffle buffer: a few rows, so that a save lands with rows held in it
+THREADS_SHUTDOWN_S = 0.2  # what a shuffled Parquet stream sleeps after each pass, instead of 5 s
+
+try:
+    import datasets.config
+except ImportError:  # the tests that need datasets skip without it
+    pass
+else:
+    datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = THREADS_SHUTDOWN_S
 
 
 def write_files(folder: Path, kind: str, files: int = 4, rows: int = 24) -> list[str]:

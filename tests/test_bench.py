@@ -64,6 +64,7 @@ def servers_for(root: Path) -> list[int]:
     return found
 
 
+@pytest.mark.serial  # the bench's /dev/shm figure is the machine's
 def test_bench_runs_both_scenarios_and_draws_a_png(tmp_path):
     cache = tmp_path / "cache"
     # without the http extra: an aiohttp that cannot be imported comes first on the path

@@ -98,6 +98,7 @@ def test_a_shard_that_cannot_be_fetched_fails_its_samples_naming_its_url(server)
                for note in raised.value.__notes__)
 
 
+@pytest.mark.serial  # no /dev/shm entry of aioload's, whoever made it
 @pytest.mark.parametrize("persistent", [False, True])
 def test_an_epoch_left_with_fetches_in_flight_leaves_nothing_and_the_next_runs(server, persistent):
     ds = dataset(server, fetch_ahead=3)

@@ -22,7 +22,8 @@ from tests.resources import (
     shm_entries, status_kb, wait_until, zombies,
 )
 
-pytestmark = [pytest.mark.timeout(110), pytest.mark.slow]
+# every /dev/shm entry is compared after each epoch: no other test runs meanwhile
+pytestmark = [pytest.mark.timeout(110), pytest.mark.slow, pytest.mark.serial]
 
 PARENT_RSS_MARGIN_KB = 24 * 1024
 WORKER_RSS_MARGIN_KB = 12 * 1024

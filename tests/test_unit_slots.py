@@ -76,6 +76,7 @@ def no_leak():
 
 
 # ----------------------------------------------------------------------------- tests
+@pytest.mark.serial  # every /dev/shm entry, before and after
 def test_a_new_slot_is_a_registered_memfd_of_the_layouts_size(no_leak):
     pool, calls = make_pool()
     shm_before = set(os.listdir("/dev/shm"))

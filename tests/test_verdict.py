@@ -70,18 +70,21 @@ def machine_cpus() -> int:
 
 
 # -- loads of each kind ---------------------------------------------------------------------
+@pytest.mark.serial  # the verdict reads the machine's CPU counters: no other test's load
 def test_read_bound():
     s = verdict_of(Load(16, read_s=0.05), batch_size=4, num_workers=1, io_concurrency=1)
     assert s.verdict_category == "read-bound", s
     assert s.verdict.endswith("raise io_concurrency")
 
 
+@pytest.mark.serial  # the verdict reads the machine's CPU counters: no other test's load
 def test_consumer_bound():
     s = verdict_of(Load(32), step_s=0.1, batch_size=4, num_workers=1)
     assert s.verdict_category == "not-data-bound", s
     assert "num_workers" not in s.verdict and "io_concurrency" not in s.verdict
 
 
+@pytest.mark.serial  # the verdict reads the machine's CPU counters: no other test's load
 @needs_proc
 def test_decode_bound():
     # One CPU-burning worker. While other programs hold the CPUs (a shared machine), the same
@@ -99,6 +102,7 @@ def test_decode_bound():
     assert s.worker_cpu_s > 0 and s.program_cpu_s >= s.worker_cpu_s
 
 
+@pytest.mark.serial  # the verdict reads the machine's CPU counters: no other test's load
 @needs_proc
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # torch's own, as torch says it
 def test_more_workers_than_cpus():
@@ -112,6 +116,7 @@ def test_more_workers_than_cpus():
 HOG = "import os, sys\nos.write(1, b'x')\nwhile True:\n    pass\n"
 
 
+@pytest.mark.serial  # the verdict reads the machine's CPU counters: no other test's load
 @needs_proc
 def test_competing_cpu_hogs():
     hogs = [subprocess.Popen([sys.executable, "-c", HOG], stdout=subprocess.PIPE) for _ in range(2 * machine_cpus())]
@@ -129,6 +134,7 @@ def test_competing_cpu_hogs():
     assert "raise num_workers" not in s.verdict and "lower num_workers" not in s.verdict
 
 
+@pytest.mark.serial  # the verdict reads the machine's CPU counters: no other test's load
 @needs_proc
 def test_decode_that_sleeps_is_blocked_not_short_of_cpus():
     # sleeps long beside the few ms a wake-up may wait for a CPU on a busy machine
@@ -320,6 +326,7 @@ def test_workers_waiting_for_reads_below_the_limit_is_latency_not_the_limit():
     assert quiet.verdict_category == "unexplained"
 
 
+@pytest.mark.serial  # the verdict reads the machine's CPU counters: no other test's load
 def test_reads_held_at_the_workers_limit_are_read_bound_end_to_end():
     """Real workers: 50 ms reads, batches of 16 and a fixed 4 reads in flight per worker:
     the decoding waits, its reads queued behind the limit, and the verdict names it."""
