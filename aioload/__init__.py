@@ -41,7 +41,7 @@ _EXPORTS = {
     "decode_audio": "aioload._media.frombytes",
     "decode_clip": "aioload._media.frombytes",
     "decode_image": "aioload.images",
-    "decode_sample": "aioload._shards.decoders",
+    "decode_sample": "aioload._shards.dataset",
     "make_data": "aioload._tools.synth",
     "make_videos": "aioload._media.synth",
     "read_bytes": "aioload._storage.storage",
@@ -63,8 +63,7 @@ if _typing.TYPE_CHECKING:  # what type checkers and editors see; at run time, __
     from aioload._observe.stats import LoaderStats
     from aioload._parquet.dataset import Parquet
     from aioload._parquet.footer import ParquetError
-    from aioload._shards.dataset import WebDataset
-    from aioload._shards.decoders import decode_sample
+    from aioload._shards.dataset import WebDataset, decode_sample
     from aioload._shards.index import ShardError
     from aioload._shards.writer import ShardWriter
     from aioload._storage.cache import CacheStats, MemoryCache

@@ -76,6 +76,14 @@ class TooManyErrorsError(_Rebuildable, RuntimeError):
     last failure is its ``__cause__``."""
 
 
+class ResumeError(ValueError):
+    """A state cannot be loaded, or cannot resume this loader; the message says why and what to do."""
+
+
+class ResumeWarning(UserWarning):
+    """A loaded state resumes from the start of its epoch, not from where it was saved."""
+
+
 class BlockingReadWarning(RuntimeWarning):
     """A dataset's ``async def read`` blocks its event loop: steps of it run long without
     awaiting (``time.sleep``, a synchronous HTTP client), so the other reads in flight and

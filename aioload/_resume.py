@@ -63,7 +63,9 @@ from dataclasses import dataclass
 
 import torch
 
-from aioload._errors import a_kind
+from aioload._errors import ResumeError, ResumeWarning, a_kind
+from aioload._stateful import check as check_stateful
+from aioload._stateful import check_depth
 
 VERSION = 1
 MAX_DEPTH = 32  # a state needs 4 levels, plus the nesting of the sampler's indices
@@ -77,14 +79,6 @@ ITERABLE_MIDDLE = (
     "the position inside an epoch of an IterableDataset is not saved: aioload cannot know how "
     "far each worker's copy of the stream has read"
 )
-
-
-class ResumeError(ValueError):
-    """A state cannot be loaded, or cannot resume this loader; the message says why and what to do."""
-
-
-class ResumeWarning(UserWarning):
-    """A loaded state resumes from the start of its epoch, not from where it was saved."""
 
 
 class Unsaveable(Exception):
@@ -390,8 +384,6 @@ def unpack(state, exp: Expected) -> dict:
     kept = _check_kept(state.get("kept_base"), exp.config["base_seeds"])
     world = cfg.get("world_size")
     mix = _check_mix(state.get("mix"), exp.mix, mid_epoch=prog is not None)
-    from aioload._stateful import check_depth, check as check_stateful
-
     sampler = state.get("sampler")
     check_depth(sampler, "sampler")
     prog = None if prog is None else _check_progress(prog, exp, world)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import reprlib
 import warnings
 
-from aioload._resume import ResumeError, ResumeWarning
+from aioload._errors import ResumeError, ResumeWarning
 from aioload._workers.messages import CopyNote, ResumeCopy
 from aioload._workers.state import drops_buffered_rows, forward_epoch, is_stateful, load_dataset_state
 

@@ -32,7 +32,6 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_a
 from aioload._storage import fsspec as _fsspec
 from aioload._storage.cache import MemoryCache
 from aioload._storage.diskcache import DiskCache
-from aioload._engine.gpudecode import check_decode_device, encoded_payload
 from aioload._dataset import NOT_READY, Dataset
 from aioload._storage.mounts import is_network
 from aioload._storage.storage import Storage, locate, read_bytes_blocking
@@ -139,6 +138,35 @@ def _decode_jpeg_reduced(data, size: tuple[int, int]) -> torch.Tensor | None:
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
 
 
+def _check_decode_device(decode_device) -> torch.device | None:
+    """The device a dataset's images are decoded on, validated at the dataset's construction."""
+    if decode_device is None:
+        return None
+    try:
+        device = torch.device(decode_device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"decode_device must be None or a CUDA device such as 'cuda' or 'cuda:1', "
+                         f"got {decode_device!r}") from exc
+    if device.type != "cuda":
+        raise ValueError(f"decode_device={decode_device!r}: only CUDA devices decode JPEGs here; leave "
+                         "decode_device=None to decode on the CPU in the worker processes")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"decode_device={decode_device!r} needs a CUDA GPU, and torch.cuda.is_available() "
+                           "is False in this process: leave decode_device=None to decode on the CPU in the "
+                           "worker processes")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"decode_device={decode_device!r}: this process sees {torch.cuda.device_count()} "
+                         "CUDA device(s)")
+    return device
+
+
+def _encoded_payload(data, decode) -> torch.Tensor:
+    """In the worker: a JPEG's bytes as a 1-D uint8 tensor, any other image decoded by ``decode``."""
+    if bytes(data[:3]) == _JPEG_MAGIC:
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return decode(data)
+
+
 class _Images(Dataset):
     """What the image datasets share: locations and targets in numpy arrays, reads through a
     :class:`Storage`, decoding to uint8 ``(3, H, W)`` tensors.
@@ -161,7 +189,7 @@ class _Images(Dataset):
                storage: Storage | None, cache, read_in: str = "auto", decode_device=None) -> None:
         if read_in not in ("auto", "loop", "worker"):
             raise ValueError(f"read_in must be 'auto', 'loop' or 'worker', got {read_in!r}")
-        self.decode_device = check_decode_device(decode_device)
+        self.decode_device = _check_decode_device(decode_device)
         self.transform = transform
         self.target_transform = target_transform
         self.decode_size = decode_size
@@ -225,7 +253,7 @@ class _Images(Dataset):
                 data = read_bytes_blocking(data.path)
             if self._targets is not None and self.target_transform is not None:
                 target = self.target_transform(target)
-            return encoded_payload(data, decode_image), target, index
+            return _encoded_payload(data, decode_image), target, index
         data, target = raw
         if isinstance(data, _LocalFile):
             data = read_bytes_blocking(data.path)

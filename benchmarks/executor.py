@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import aioload
     from aioload._tools.bench import environment, rrc_flip
-    from aioload._tools.synth import cache_dir, make_image_folder
+    from aioload._storage.cachedir import cache_dir
+    from aioload._tools.synth import make_image_folder
 
     root = make_image_folder(args.data or cache_dir() / f"executor-bench-{args.images}", images=args.images,
                              classes=8, seed=0)

@@ -66,7 +66,8 @@ import torch
 
 import aioload
 from aioload._tools.bench import ceiling, environment, median, rrc_flip
-from aioload._tools.synth import cache_dir, make_image_folder
+from aioload._storage.cachedir import cache_dir
+from aioload._tools.synth import make_image_folder
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import remote  # noqa: E402  (benchmarks/remote.py: the HTTP server and the classic blocking-GET recipe)

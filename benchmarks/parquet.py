@@ -69,7 +69,8 @@ import aioload
 from aioload._tools import benchscenarios
 from aioload._tools.bench import BenchImages, median, rrc_flip
 from aioload._tools.benchscenarios import COLUMNS, aioload_loader, decode_pair, folder_bytes, uniform_classes
-from aioload._tools.synth import PARQUET_ROWS_PER_GROUP, PARQUET_WRITE_OPTIONS, cache_dir, make_image_folder, make_parquet
+from aioload._storage.cachedir import cache_dir
+from aioload._tools.synth import PARQUET_ROWS_PER_GROUP, PARQUET_WRITE_OPTIONS, make_image_folder, make_parquet
 from aioload._tools.synth import _image as synth_image
 
 UNIFORM = "aioload uniform"

@@ -61,7 +61,8 @@ import aioload
 from aioload._tools import benchscenarios
 from aioload._tools.bench import BenchImages, median, rrc_flip
 from aioload._tools.benchscenarios import COLUMNS, aioload_loader, decode_pair, folder_bytes, uniform_classes
-from aioload._tools.synth import cache_dir, make_image_folder
+from aioload._storage.cachedir import cache_dir
+from aioload._tools.synth import make_image_folder
 
 UNIFORM = "aioload uniform"
 WEBDATASET = "webdataset"

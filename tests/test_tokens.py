@@ -9,6 +9,8 @@ uninterrupted run, compared row for row.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -489,3 +491,15 @@ def test_when_one_read_of_a_row_fails_the_rows_other_reads_end_with_it():
         open_reads += 1 if event > 0 else -1
         most = max(most, open_reads)
     assert open_reads == 0 and most <= per_row, source.events
+
+
+def test_the_index_pass_counts_without_a_data_loader(tmp_path):
+    """The tokens package stands below the loader: a pass in worker processes imports no loader."""
+    script = ("import sys, aioload._tokens.dataset as d\n"
+              "docs = [{'input_ids': list(range(n % 7 + 1))} for n in range(600)]\n"
+              "ds = d.PackedTokens(docs, 8, column='input_ids', index_workers=2)\n"
+              "assert len(ds) > 0\n"
+              "print(sorted(m for m in sys.modules if m in ('aioload._loader', 'aioload._iterator')))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -41,31 +41,6 @@ from aioload._engine.budget import AllSkipped, ErrorBudget
 from aioload._seeding import sample_seed, seed_everything
 from aioload._handoff.tree import map_tensors
 
-JPEG_MAGIC = b"\xff\xd8\xff"
-
-
-def check_decode_device(decode_device) -> torch.device | None:
-    """The device a dataset's images are decoded on, validated at the dataset's construction."""
-    if decode_device is None:
-        return None
-    try:
-        device = torch.device(decode_device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"decode_device must be None or a CUDA device such as 'cuda' or 'cuda:1', "
-                         f"got {decode_device!r}") from exc
-    if device.type != "cuda":
-        raise ValueError(f"decode_device={decode_device!r}: only CUDA devices decode JPEGs here; leave "
-                         "decode_device=None to decode on the CPU in the worker processes")
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"decode_device={decode_device!r} needs a CUDA GPU, and torch.cuda.is_available() "
-                           "is False in this process: leave decode_device=None to decode on the CPU in the "
-                           "worker processes")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"decode_device={decode_device!r}: this process sees {torch.cuda.device_count()} "
-                         "CUDA device(s)")
-    return device
-
-
 def decode_device_of(dataset) -> torch.device | None:
     """The decode device a dataset asks for (``None``: decode in the workers)."""
     device = getattr(dataset, "decode_device", None)
@@ -77,13 +52,6 @@ def check_loader_device(decode_on: torch.device, device: torch.device | None) ->
     if device is not None and device != decode_on:
         raise ValueError(f"the dataset decodes on {decode_on} (decode_device=) but device={str(device)!r}: "
                          "batches are made where they are decoded; pass the same device, or leave device=None")
-
-
-def encoded_payload(data, decode) -> torch.Tensor:
-    """In the worker: a JPEG's bytes as a 1-D uint8 tensor, any other image decoded by ``decode``."""
-    if bytes(data[:3]) == JPEG_MAGIC:
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return decode(data)
 
 
 def collate_encoded(samples):

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from aioload._storage.cachedir import cache_dir
+
 DEFAULT_VIDEOS = 64
 DEFAULT_CLASSES = 4
 
@@ -98,8 +100,6 @@ def write_sound(path: str | os.PathLike, seconds: float = 1.0, sample_rate: int 
 
 
 def default_root(videos: int, classes: int, frames_per_video: int, size: tuple[int, int], seed: int) -> Path:
-    from aioload._tools.synth import cache_dir
-
     return cache_dir() / f"videos-{videos}-{classes}-{frames_per_video}f-{size[0]}x{size[1]}-s{seed}"
 
 

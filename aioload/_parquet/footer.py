@@ -27,6 +27,7 @@ import numpy as np
 from aioload._shards import probe
 from aioload._storage.storage import Storage
 from aioload._storage.versioned import VersionedFiles, for_each_file
+from aioload._storage.cachedir import cache_dir
 
 TAIL = 64 << 10
 """Bytes read from a file's end to find its footer: enough for the footers of files with a few
@@ -184,8 +185,6 @@ class FooterCache(VersionedFiles):
 
 
 def default_cache_folder() -> Path:
-    from aioload._tools.synth import cache_dir
-
     return cache_dir() / "parquet-footer"
 
 

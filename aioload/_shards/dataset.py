@@ -50,7 +50,7 @@ from aioload._shards import coalesce
 from aioload._shards import order as _order
 from aioload._shards import probe
 from aioload._shards import tar
-from aioload._shards.decoders import DECODERS, Decoder, decode_sample
+from aioload._shards.decoders import DECODERS, Decoder, decoder_for
 from aioload._shards.index import IndexCache, Indexer, ShardError, default_cache_folder
 from aioload._shards.urls import shard_urls
 from aioload._shards.window import Staged, Window
@@ -484,3 +484,28 @@ class WebDataset(Dataset):
     def __repr__(self) -> str:
         mode = "uniform" if self.window is None else f"window={self.window}"
         return f"WebDataset({len(self.urls)} shards, {len(self)} samples, {mode})"
+
+
+def decode_sample(sample: Mapping[str, Any], decoders: Mapping[str, Decoder] | None = None) -> dict[str, Any]:
+    """``sample`` (``{"__key__": ..., "jpg": bytes, "cls": bytes, ...}``, as a WebDataset
+    shard holds it) with each member decoded by its extension: images to uint8 ``(3, H, W)``
+    tensors, ``cls``/``idx``/... to ``int``, ``txt`` to ``str``, ``json`` to its value,
+    ``npy`` and ``pth`` to tensors; members without a decoder stay ``bytes``. ``decoders``
+    (by extension) replaces the defaults of :attr:`aioload.WebDataset.decoders`.
+
+    A member that does not decode raises :class:`aioload.ShardError` naming the member and
+    its shard."""
+    table = WebDataset.decoders if decoders is None else decoders
+    out: dict[str, Any] = {}
+    for ext, value in sample.items():
+        fn = None if ext.startswith("__") else decoder_for(ext, table)
+        if fn is None:
+            out[ext] = value
+            continue
+        try:
+            out[ext] = fn(value)
+        except Exception as exc:
+            where = f"member {sample.get('__key__', '?')}.{ext} of shard {sample.get('__url__', '?')}"
+            raise ShardError(f"{where} does not decode as {ext!r} ({type(exc).__name__}: {exc}); the shard may be "
+                             "corrupt, or give decoders={...} a function for this extension") from exc
+    return out

@@ -13,7 +13,6 @@ import io
 import json
 from typing import Any, Callable, Mapping
 
-from aioload._shards.index import ShardError
 
 Decoder = Callable[[bytes], Any]
 
@@ -80,30 +79,3 @@ def decoder_for(ext: str, decoders: Mapping[str, Decoder]) -> Decoder | None:
     if found is None and "." in ext:
         found = decoders.get(ext.rsplit(".", 1)[1])
     return found
-
-
-def decode_sample(sample: Mapping[str, Any], decoders: Mapping[str, Decoder] | None = None) -> dict[str, Any]:
-    """``sample`` (``{"__key__": ..., "jpg": bytes, "cls": bytes, ...}``, as a WebDataset
-    shard holds it) with each member decoded by its extension: images to uint8 ``(3, H, W)``
-    tensors, ``cls``/``idx``/... to ``int``, ``txt`` to ``str``, ``json`` to its value,
-    ``npy`` and ``pth`` to tensors; members without a decoder stay ``bytes``. ``decoders``
-    (by extension) replaces the defaults of :attr:`aioload.WebDataset.decoders`.
-
-    A member that does not decode raises :class:`aioload.ShardError` naming the member and
-    its shard."""
-    from aioload._shards.dataset import WebDataset
-
-    table = WebDataset.decoders if decoders is None else decoders
-    out: dict[str, Any] = {}
-    for ext, value in sample.items():
-        fn = None if ext.startswith("__") else decoder_for(ext, table)
-        if fn is None:
-            out[ext] = value
-            continue
-        try:
-            out[ext] = fn(value)
-        except Exception as exc:
-            where = f"member {sample.get('__key__', '?')}.{ext} of shard {sample.get('__url__', '?')}"
-            raise ShardError(f"{where} does not decode as {ext!r} ({type(exc).__name__}: {exc}); the shard may be "
-                             "corrupt, or give decoders={...} a function for this extension") from exc
-    return out

@@ -50,6 +50,7 @@ from aioload._storage.redact import redact
 from aioload._storage.retry import RemoteReadError
 from aioload._storage.storage import Storage, locate
 from aioload._storage.versioned import VersionedFiles, for_each_file
+from aioload._storage.cachedir import cache_dir
 
 logger = logging.getLogger("aioload")
 
@@ -319,8 +320,6 @@ class IndexCache(VersionedFiles):
 
 
 def default_cache_folder() -> Path:
-    from aioload._tools.synth import cache_dir
-
     return cache_dir() / "shard-index"
 
 

@@ -7,8 +7,10 @@ From, in order of cost:
   column whole, ``read_column`` as ``aioload.Parquet`` has, reads that column alone), or
 * nothing: the documents tokenized (or their token ids counted) once,
 
-otherwise in one *index pass* over the source: an ``aioload.DataLoader`` over the documents
-in index order (``index_workers`` processes, reads many at once as for any epoch).
+otherwise in one *index pass* over the source: the documents in ranges of ``PASS_BATCH``, in
+index order, each range's reads awaited together on one event loop and then counted, in this
+process or in ``index_workers`` processes (a ``concurrent.futures`` pool of this process's
+default start method, which receives the source once).
 With ``cache=path`` the counts are kept in that file (``.npz``) with what they were computed
 from (the number of documents, the source's type, the column, the field or the tokenizer's
 definition); a later dataset over the same key loads them instead of passing again.
@@ -16,8 +18,11 @@ definition); a later dataset over the same key loads them instead of passing aga
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import hashlib
 import json
+import multiprocessing
 import os
 from pathlib import Path
 from typing import Any
@@ -98,14 +103,54 @@ def given_lengths(lengths, documents: int) -> np.ndarray:
 
 
 def index_pass(documents: Documents, field: str | None, workers: int) -> np.ndarray:
-    """Every document's token count (or ``field``), in index order."""
-    from aioload._loader import DataLoader
-
+    """Every document's token count (or ``field``), in index order: every document, on every
+    rank (a dataset made under torch.distributed packs all of them)."""
     counts = Counts(documents, field)
-    # every document, on every rank: a dataset made under torch.distributed packs all of them
-    with DataLoader(counts, batch_size=PASS_BATCH, shuffle=False, num_workers=workers, shard=False) as loader:
-        parts = [batch.numpy() for batch in loader]
+    ranges = [(start, min(start + PASS_BATCH, len(counts))) for start in range(0, len(counts), PASS_BATCH)]
+    if workers == 0:
+        # a thread of its own: the caller may be inside a running event loop
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioload-index-pass") as pool:
+            parts = list(pool.map(lambda bounds: count_range(counts, *bounds), ranges))
+    else:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(),
+                                                    initializer=_keep, initargs=(counts,)) as pool:
+            parts = list(pool.map(_count_kept, ranges))
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+
+
+def count_range(counts: Counts, start: int, stop: int) -> np.ndarray:
+    """The counts of documents ``start`` to ``stop - 1``: their reads awaited together, then each
+    decoded; a document that fails raises, with a note naming it."""
+    async def read_one(index: int) -> Any:
+        try:
+            raw = counts.read_nowait(index)
+            return await counts.read(index) if raw is NOT_READY else raw
+        except Exception as exc:
+            exc.add_note(f"while reading document {index} ({counts.describe(index)}) to count its tokens")
+            raise
+
+    async def read_all() -> list:
+        return await asyncio.gather(*(read_one(index) for index in range(start, stop)))
+
+    found = np.empty(stop - start, dtype=np.int64)
+    for index, raw in enumerate(asyncio.run(read_all()), start):
+        try:
+            found[index - start] = counts.decode(raw)
+        except Exception as exc:
+            exc.add_note(f"while counting the tokens of document {index} ({counts.describe(index)})")
+            raise
+    return found
+
+
+_KEPT: list[Counts] = []  # in an index pass's process: the pass's documents, received once
+
+
+def _keep(counts: Counts) -> None:
+    _KEPT[:] = [counts]
+
+
+def _count_kept(bounds: tuple[int, int]) -> np.ndarray:
+    return count_range(_KEPT[0], *bounds)
 
 
 def cache_key(documents: Documents, field: str | None) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 FORMATS = (".png", ".svg")
+PLOT_MISSING = "--plot needs matplotlib, which is not installed: pip install 'aioload[plot]'"
 COLOURS = {"torch DataLoader": "#7f7f7f", "aioload DataLoader": "#1f77b4"}
 
 
@@ -18,8 +19,6 @@ def check(path: str) -> str | None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        from aioload._tools.cli import PLOT_MISSING
-
         return PLOT_MISSING
     return None
 

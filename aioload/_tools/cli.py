@@ -27,7 +27,6 @@ environment:
 """
 
 SCENARIOS = {"local": "local folder", "http": "HTTP, {latency:g} ms round trip"}
-PLOT_MISSING = "--plot needs matplotlib, which is not installed: pip install 'aioload[plot]'"
 
 
 def _progress(message: str) -> None:

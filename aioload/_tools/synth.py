@@ -19,14 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from aioload._storage.cachedir import cache_dir
+
 DEFAULT_IMAGES = 1024
 DEFAULT_CLASSES = 8
-
-
-def cache_dir() -> Path:
-    """Where generated data lives: ``$AIOLOAD_CACHE``, else ``~/.cache/aioload``."""
-    root = os.environ.get("AIOLOAD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "aioload")
-    return Path(root)
 
 
 def _image(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
