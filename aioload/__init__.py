@@ -9,16 +9,16 @@ __version__ = "0.1.0"
 # image helpers' torchvision (its models and torch._dynamo, seconds more) waits until they are used.
 _EXPORTS = {
     "AudioFiles": "aioload._media.audio",
-    "BlockingReadWarning": "aioload._errors",
+    "BlockingReadWarning": "aioload._base.errors",
     "CacheStats": "aioload._storage.cache",
-    "CopyOnReadWarning": "aioload._errors",
-    "DataLoader": "aioload._loader",
-    "DataLoaderTimeoutError": "aioload._errors",
-    "Dataset": "aioload._dataset",
+    "CopyOnReadWarning": "aioload._base.errors",
+    "DataLoader": "aioload._front.loader",
+    "DataLoaderTimeoutError": "aioload._base.errors",
+    "Dataset": "aioload._data.dataset",
     "DiskCache": "aioload._storage.diskcache",
     "ImageFiles": "aioload.images",
     "ImageFolder": "aioload.images",
-    "LoaderClosedError": "aioload._errors",
+    "LoaderClosedError": "aioload._base.errors",
     "LoaderStats": "aioload._observe.stats",
     "MemoryCache": "aioload._storage.cache",
     "Mix": "aioload._mix.dataset",
@@ -29,20 +29,20 @@ _EXPORTS = {
     "RetryPolicy": "aioload._storage.retry",
     "ShardError": "aioload._shards.index",
     "ShardWriter": "aioload._shards.writer",
-    "StalledWarning": "aioload._errors",
+    "StalledWarning": "aioload._base.errors",
     "Storage": "aioload._storage.storage",
-    "StringList": "aioload._strings",
-    "TooManyErrorsError": "aioload._errors",
+    "StringList": "aioload._data.strings",
+    "TooManyErrorsError": "aioload._base.errors",
     "VideoFiles": "aioload._media.video",
     "VideoFolder": "aioload._media.video",
     "WebDataset": "aioload._shards.dataset",
-    "WorkerCrashedError": "aioload._errors",
+    "WorkerCrashedError": "aioload._base.errors",
     "count_clips": "aioload._media.frombytes",
     "decode_audio": "aioload._media.frombytes",
     "decode_clip": "aioload._media.frombytes",
     "decode_image": "aioload.images",
     "decode_sample": "aioload._shards.dataset",
-    "make_data": "aioload._tools.synth",
+    "make_data": "aioload._data.synth",
     "make_videos": "aioload._media.synth",
     "read_bytes": "aioload._storage.storage",
     "read_range": "aioload._storage.storage",
@@ -51,10 +51,10 @@ _SUBMODULES = ("images", "integrations", "transforms")
 
 if _typing.TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
     from aioload import images, integrations, transforms
-    from aioload._dataset import Dataset
-    from aioload._errors import (BlockingReadWarning, CopyOnReadWarning, DataLoaderTimeoutError,
+    from aioload._data.dataset import Dataset
+    from aioload._base.errors import (BlockingReadWarning, CopyOnReadWarning, DataLoaderTimeoutError,
                                  LoaderClosedError, StalledWarning, TooManyErrorsError, WorkerCrashedError)
-    from aioload._loader import DataLoader
+    from aioload._front.loader import DataLoader
     from aioload._media.audio import AudioFiles
     from aioload._media.frombytes import count_clips, decode_audio, decode_clip
     from aioload._media.synth import make_videos
@@ -70,9 +70,9 @@ if _typing.TYPE_CHECKING:  # what type checkers and editors see; at run time, __
     from aioload._storage.diskcache import DiskCache
     from aioload._storage.retry import RemoteReadError, RetryPolicy
     from aioload._storage.storage import Storage, read_bytes, read_range
-    from aioload._strings import StringList
+    from aioload._data.strings import StringList
     from aioload._tokens.dataset import PackedTokens
-    from aioload._tools.synth import make_data
+    from aioload._data.synth import make_data
     from aioload.images import ImageFiles, ImageFolder, decode_image
 
 

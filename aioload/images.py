@@ -32,7 +32,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_a
 from aioload._storage import fsspec as _fsspec
 from aioload._storage.cache import MemoryCache
 from aioload._storage.diskcache import DiskCache
-from aioload._dataset import NOT_READY, Dataset
+from aioload._data.dataset import NOT_READY, Dataset
 from aioload._storage.mounts import is_network
 from aioload._storage.storage import Storage, locate, read_bytes_blocking
 

@@ -1,7 +1,7 @@
 """Batches made by an executor: the built-in pool against ProcessPoolExecutor, ThreadPoolExecutor
 and a Dask cluster, locally and behind HTTP latency, on the same JPEGs with the same transform.
 
-Every loader decodes the same synthetic ImageNet-like JPEGs (``aioload._tools.synth``) with the
+Every loader decodes the same synthetic ImageNet-like JPEGs (``aioload._data.synth``) with the
 same transform (``RandomResizedCrop(224)`` + flip, ``aioload._tools.bench.rrc_flip``) and the same
 number of worker processes or threads:
 
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     import aioload
     from aioload._tools.bench import environment, rrc_flip
     from aioload._storage.cachedir import cache_dir
-    from aioload._tools.synth import make_image_folder
+    from aioload._data.synth import make_image_folder
 
     root = make_image_folder(args.data or cache_dir() / f"executor-bench-{args.images}", images=args.images,
                              classes=8, seed=0)

@@ -38,7 +38,7 @@ from torchvision.transforms import v2
 import aioload
 from aioload._handoff import device as _device
 from aioload._tools.bench import BenchImages, ceiling, environment, rrc_flip
-from aioload._tools.synth import make_image_folder
+from aioload._data.synth import make_image_folder
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -179,7 +179,7 @@ def main() -> int:
     # 3. aioload, in-memory images: the data path alone, with copy/compute overlap measured
     def in_memory():
         _device.Transfer = TimedTransfer
-        import aioload._loader as loader_module
+        import aioload._front.loader as loader_module
         loader_module._device.Transfer = TimedTransfer
         spans: list = []
         with aioload.DataLoader(MemoryImages(), batch_size=bs, shuffle=True, num_workers=w, device=device,

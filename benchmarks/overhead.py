@@ -67,7 +67,7 @@ import torch
 import aioload
 from aioload._tools.bench import ceiling, environment, median, rrc_flip
 from aioload._storage.cachedir import cache_dir
-from aioload._tools.synth import make_image_folder
+from aioload._data.synth import make_image_folder
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import remote  # noqa: E402  (benchmarks/remote.py: the HTTP server and the classic blocking-GET recipe)
@@ -551,7 +551,7 @@ GROUPS = {  # inclusive: a sample counts once in a group when any frame of its s
         "aioload/_engine/decode.py", "aioload/_handoff/slots.py", "aioload/_handoff/layout.py", "aioload/_handoff/views.py",
         "aioload/_handoff/writers.py", "aioload/_handoff/chunks.py", "aioload/_handoff/tree.py"),
     "aioload ready queue and consumer (_ready, _iterator, _loader)": (
-        "aioload/_engine/ready.py", "aioload/_iterator.py", "aioload/_epoch.py", "aioload/_loader.py"),
+        "aioload/_engine/ready.py", "aioload/_front/iterator.py", "aioload/_front/epoch.py", "aioload/_front/loader.py"),
     "aioload statistics (_stats)": ("aioload/_observe/stats.py",),
 }
 LOOP_ONLY = "event loop's own C code (uvloop; no Python frame below Engine._run)"

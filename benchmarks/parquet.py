@@ -16,7 +16,7 @@ defaults (``--writer datasets``: one row group a file here, content-defined page
 image's byte count instead of the decoded crop (no ``torch ImageFolder`` row then), so the
 table shows what each loader costs per row.
 
-The data: ``aioload make-data --format parquet``'s files (``aioload._tools.synth.make_parquet``):
+The data: ``aioload make-data --format parquet``'s files (``aioload._data.synth.make_parquet``):
 ``--images`` synthetic ImageNet-like JPEGs in ``--classes`` classes, laid out as the Hub's image
 sets (an ``image`` struct ``{"bytes", "path"}`` and a ``label`` column, ``datasets``' ``Image``
 feature, row groups of 100 rows, a page per image and a page index), ``--rows-per-file`` rows a
@@ -70,8 +70,8 @@ from aioload._tools import benchscenarios
 from aioload._tools.bench import BenchImages, median, rrc_flip
 from aioload._tools.benchscenarios import COLUMNS, aioload_loader, decode_pair, folder_bytes, uniform_classes
 from aioload._storage.cachedir import cache_dir
-from aioload._tools.synth import PARQUET_ROWS_PER_GROUP, PARQUET_WRITE_OPTIONS, make_image_folder, make_parquet
-from aioload._tools.synth import _image as synth_image
+from aioload._data.synth import PARQUET_ROWS_PER_GROUP, PARQUET_WRITE_OPTIONS, make_image_folder, make_parquet
+from aioload._data.synth import _image as synth_image
 
 UNIFORM = "aioload uniform"
 STREAMING = "datasets streaming"

@@ -1,7 +1,7 @@
 """What the ``torch.profiler`` range around each batch costs when no profiler runs.
 
 torch's iterators enter ``record_function`` on every ``__next__``; aioload's enter it only
-while a profiler runs (``aioload._compat.profiled``). Printed: microseconds per call of an
+while a profiler runs (``aioload._front.compat.profiled``). Printed: microseconds per call of an
 empty loop, of aioload's range and of torch's, then per batch of a loader over a trivial
 in-memory dataset (``num_workers=0``, where the per-batch cost is the loader's own), torch's
 and aioload's, in interleaved rounds (median).
@@ -20,7 +20,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 import aioload
-from aioload._compat import WAITING, profiled
+from aioload._front.compat import WAITING, profiled
 
 NAME = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
 

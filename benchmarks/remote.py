@@ -150,7 +150,7 @@ def main() -> None:
 
     from aioload._tools.bench import ceiling
     from aioload._storage.cachedir import cache_dir
-    from aioload._tools.synth import make_image_folder
+    from aioload._data.synth import make_image_folder
 
     root = make_image_folder(cache_dir() / f"remote-bench-{args.images}", images=args.images, classes=8, seed=0)
     names = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs

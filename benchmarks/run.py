@@ -32,7 +32,7 @@ import torch
 
 import aioload
 from aioload._tools.bench import BenchImages, Comparison, ceiling, ceiling_of, environment, median, rrc_flip
-from aioload._tools.synth import make_image_folder
+from aioload._data.synth import make_image_folder
 
 
 class TinyRows(torch.utils.data.Dataset):

@@ -4,7 +4,7 @@ behind HTTP latency.
     python benchmarks/shards.py                  # 4,000 images in 40 class-sorted shards; local, 20, 50 ms
     python benchmarks/shards.py --images 800 --latencies 20 --rounds 1 --json out.json
 
-The data: ``--images`` synthetic ImageNet-like JPEGs (``aioload._tools.synth``) in
+The data: ``--images`` synthetic ImageNet-like JPEGs (``aioload._data.synth``) in
 ``--classes`` class folders, written class by class (ImageFolder's order) by
 ``webdataset.ShardWriter`` into shards of ``--shard-size`` samples (``jpg`` + ``cls``), so
 each shard holds one class: a loader that shuffles poorly shows it in the classes per batch.
@@ -62,7 +62,7 @@ from aioload._tools import benchscenarios
 from aioload._tools.bench import BenchImages, median, rrc_flip
 from aioload._tools.benchscenarios import COLUMNS, aioload_loader, decode_pair, folder_bytes, uniform_classes
 from aioload._storage.cachedir import cache_dir
-from aioload._tools.synth import make_image_folder
+from aioload._data.synth import make_image_folder
 
 UNIFORM = "aioload uniform"
 WEBDATASET = "webdataset"

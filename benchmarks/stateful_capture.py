@@ -1,4 +1,4 @@
-"""What capturing a worker's state costs per batch (the Stateful protocol, aioload._stateful).
+"""What capturing a worker's state costs per batch (the Stateful protocol, aioload._plan.stateful).
 
     python benchmarks/stateful_capture.py [--batches N]
 
@@ -22,7 +22,7 @@ import argparse
 import pickle
 import time
 
-from aioload._stateful import Copies
+from aioload._plan.stateful import Copies
 from aioload._workers.state import CopyState
 
 

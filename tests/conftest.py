@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from aioload._tools.synth import make_image_folder
+from aioload._data.synth import make_image_folder
 
 
 @pytest.fixture(scope="session")

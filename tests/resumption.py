@@ -18,7 +18,7 @@ import torch
 def may_fast_forward():
     """A resumed epoch that may, or may not, fast-forward a copy (and say so with a
     ``FastForwardWarning``): what the test checks is the batches, not the way there."""
-    from aioload._stateful import FastForwardWarning
+    from aioload._plan.stateful import FastForwardWarning
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FastForwardWarning)

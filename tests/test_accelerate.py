@@ -208,7 +208,7 @@ class _Keyed:
 
 def test_after_an_inexact_resume_the_prepared_loader_counts_the_epoch_from_its_start():
     import aioload
-    from aioload._resume import ResumeWarning
+    from aioload._plan.resume import ResumeWarning
     from aioload.integrations.accelerate import PreparedLoader
 
     def make():
@@ -233,7 +233,7 @@ def test_after_an_inexact_resume_the_prepared_loader_counts_the_epoch_from_its_s
 
 def test_a_prepared_loaders_delivered_count_is_checked_at_load():
     import aioload
-    from aioload._resume import ResumeError
+    from aioload._plan.resume import ResumeError
     from aioload.integrations.accelerate import PreparedLoader
 
     with aioload.DataLoader(range(12), batch_size=2) as loader:
@@ -286,7 +286,7 @@ def test_use_stateful_dataloader_resumes_a_streaming_dataset_on_every_rank(tmp_p
 
 def test_a_streams_state_names_every_ranks_position_and_refuses_another_world():
     import aioload
-    from aioload._resume import ResumeError
+    from aioload._plan.resume import ResumeError
     from aioload.integrations.accelerate import PreparedLoader
     from tests.iterable_data import Plain
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 import aioload
-from aioload._loader import default_queue_depth
+from aioload._front.loader import default_queue_depth
 from aioload._tools import cli as _cli
-from aioload._tools.synth import default_root
+from aioload._data.synth import default_root
 
 pytestmark = pytest.mark.slow
 

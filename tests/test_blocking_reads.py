@@ -90,7 +90,7 @@ def test_the_warning_is_a_runtime_warning_that_can_be_filtered():
 
 
 def test_one_step_longer_than_read_timeout_is_a_stall_by_itself():
-    from aioload._reads import STALL_ALONE, StallMeter
+    from aioload._data.reads import STALL_ALONE, StallMeter
 
     def found(timeout, steps):
         meter = StallMeter()
@@ -125,7 +125,7 @@ class BlocksOnce(aioload.Dataset):
 
 
 def test_a_step_past_read_timeout_is_seen_beyond_the_reads_a_meter_samples():
-    from aioload._reads import STALL_SAMPLE, BatchReads
+    from aioload._data.reads import STALL_SAMPLE, BatchReads
 
     # after the first STALL_SAMPLE ** 2 reads a meter times one in STALL_SAMPLE; with read_timeout
     # every read is timed, so the one that blocks is found whichever it is

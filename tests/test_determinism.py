@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import aioload
-from aioload._seeding import sample_seed
+from aioload._base.seeding import sample_seed
 from tests.random_data import Augmented, BatchedAugmented, Keyed, KeySampler, PlainAugmented
 
 # More workers than this machine has cores is the point of some cases, not a mistake.
@@ -94,7 +94,7 @@ def test_string_keys_seed_the_same_in_a_fresh_interpreter():
 
 
 def test_a_string_keys_seed_does_not_depend_on_the_hash_salt():
-    code = "from aioload._seeding import sample_seed; print(sample_seed(1, 'k3'), sample_seed(1, ('k', 3)))"
+    code = "from aioload._base.seeding import sample_seed; print(sample_seed(1, 'k3'), sample_seed(1, ('k', 3)))"
     seen = set()
     for salt in ("1", "2", "3"):
         env = dict(os.environ, PYTHONHASHSEED=salt, PYTHONPATH=str(ROOT))

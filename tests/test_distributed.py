@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import aioload
-from aioload._sampling import ShardSampler
+from aioload._plan.sampling import ShardSampler
 from tests.frameworks.launch import LAUNCH_TIMEOUT, ROOT, run, run_ranks, torchrun_args
 
 # Launching ranks takes longer than the default per-test limit on a loaded machine.

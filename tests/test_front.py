@@ -13,16 +13,16 @@ import anyio
 import pytest
 
 import aioload
-from aioload._epoch import EpochContext, EpochIterator
-from aioload._inprocess import InProcessIterator
-from aioload._iterator import EngineIterator
+from aioload._front.epoch import EpochContext, EpochIterator
+from aioload._front.inprocess import InProcessIterator
+from aioload._front.iterator import EngineIterator
 from tests.conftest import aioload_threads
 from tests.datasets import SlowReads, Squares
 
 pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
 
 PACKAGE = pathlib.Path(aioload.__file__).parent
-FRONT = ("_epoch.py", "_iterator.py", "_inprocess.py", "_compat.py", "_resources.py")
+FRONT = ("_front/epoch.py", "_front/iterator.py", "_front/inprocess.py", "_front/compat.py", "_front/resources.py")
 SUPERSEDED = (r"^this epoch ended because iter\(\) was called on the same DataLoader again: an "
               r"aioload.DataLoader runs one epoch at a time; use two loaders to walk two epochs side by side$")
 
@@ -50,7 +50,7 @@ def test_the_front_end_does_not_import_the_loader(name):
             imported.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             imported.update(a.name for a in node.names)
-    assert "aioload._loader" not in imported
+    assert "aioload._front.loader" not in imported
 
 
 @pytest.mark.parametrize("make, kind", [(plain, InProcessIterator), (split, EngineIterator)])

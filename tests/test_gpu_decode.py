@@ -28,7 +28,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 import aioload
-from aioload._tools.synth import make_image_folder
+from aioload._data.synth import make_image_folder
 from tests.reference import pil_image
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ import asyncio
 import gc
 
 import aioload
-from aioload._reads import BufferPart
+from aioload._data.reads import BufferPart
 from aioload._storage import h1
 from aioload._storage import scope as _scope
 from aioload._storage.storage import read_buffer

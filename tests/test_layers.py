@@ -24,17 +24,17 @@ OBSERVE = "statistics"
 BASE = "base"
 
 LAYERS = {
-    FRONT: ("aioload", "aioload.__main__", "aioload._loader", "aioload._iterator", "aioload._inprocess",
-            "aioload._epoch", "aioload._resources", "aioload._compat", "aioload.integrations", "aioload._tools"),
+    FRONT: ("aioload", "aioload.__main__", "aioload._front.loader", "aioload._front.iterator", "aioload._front.inprocess",
+            "aioload._front.epoch", "aioload._front.resources", "aioload._front.compat", "aioload.integrations", "aioload._tools"),
     ENGINE: ("aioload._engine",),
     WORKERS: ("aioload._workers",),
     BELOW: ("aioload._handoff", "aioload._storage"),
     OBSERVE: ("aioload._observe",),
-    BASE: ("aioload._reads", "aioload._limiter", "aioload._errors", "aioload._dataset", "aioload._seeding",
-           "aioload._strings"),
+    BASE: ("aioload._data.reads", "aioload._data.limiter", "aioload._base.errors", "aioload._data.dataset", "aioload._base.seeding",
+           "aioload._data.strings"),
 }
 """The layers, by module prefix. The datasets (``images``, ``_shards``, ``_media``, ``_mix``) and
-the planner (``_sampling``, ``_plan``, ``_resume``) sit beside the front end and are not listed."""
+the planner (``_plan.sampling``, ``_plan``, ``_plan.resume``) sit beside the front end and are not listed."""
 
 FORBIDDEN = {
     ENGINE: {FRONT},
@@ -126,9 +126,9 @@ def test_the_check_sees_an_upward_import(tmp_path):
     """The checks above read what they must: an engine module that imports the loader, or a
     private name, is found (a file written here, read by the same functions)."""
     fake = tmp_path / "reads.py"
-    fake.write_text("from aioload._loader import DataLoader\nfrom aioload._inprocess import _AllSkipped\n"
-                    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from aioload._iterator import X\n")
+    fake.write_text("from aioload._front.loader import DataLoader\nfrom aioload._front.inprocess import _AllSkipped\n"
+                    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from aioload._front.iterator import X\n")
     found = imports(fake)
-    assert found == [("aioload._loader", ["DataLoader"]), ("aioload._inprocess", ["_AllSkipped"])]
-    assert layer_of("aioload._engine.reads") == ENGINE and layer_of("aioload._loader") == FRONT
+    assert found == [("aioload._front.loader", ["DataLoader"]), ("aioload._front.inprocess", ["_AllSkipped"])]
+    assert layer_of("aioload._engine.reads") == ENGINE and layer_of("aioload._front.loader") == FRONT
     assert FRONT in FORBIDDEN[layer_of("aioload._engine.reads")]

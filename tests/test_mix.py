@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import aioload
-from aioload._resume import ResumeError
+from aioload._plan.resume import ResumeError
 
 WEIGHTS = {"web": 0.6, "code": 0.25, "books": 0.15}
 

@@ -267,7 +267,7 @@ def test_without_pyarrow_aioload_imports_and_parquet_names_the_extra(files):
 
 def test_make_data_writes_the_images_as_parquet_sorted_by_class(tmp_path, capsys):
     from aioload._tools import cli as _cli
-    from aioload._tools.synth import make_data
+    from aioload._data.synth import make_data
 
     target = tmp_path / "pq"
     assert _cli.main(["make-data", str(target), "--images", "12", "--classes", "3", "--format", "parquet"]) == 0

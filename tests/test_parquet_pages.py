@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import aioload
-from aioload._tools.synth import PARQUET_WRITE_OPTIONS
+from aioload._data.synth import PARQUET_WRITE_OPTIONS
 from tests.httpserver import serving_copy
 from tests.parquet_data import image_samples, plain, reference, write_datasets
 

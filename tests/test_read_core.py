@@ -1,4 +1,4 @@
-"""The one read core (aioload._reads.BatchReads) that the engine's loop, the workers and the
+"""The one read core (aioload._data.reads.BatchReads) that the engine's loop, the workers and the
 executor all read through, tested alone on asyncio.run: read_nowait first, the bound on reads in
 flight, read_timeout, one note per failure, cancellation, the counted latencies and bytes, and
 the stall meter that times each step of a read."""
@@ -11,8 +11,8 @@ import time
 import pytest
 
 import aioload
-from aioload._dataset import NOT_READY
-from aioload._reads import STALL_READS, STALL_SAMPLE, STALL_STEP, BatchReads, FailedRead, StallMeter, Watch
+from aioload._data.dataset import NOT_READY
+from aioload._data.reads import STALL_READS, STALL_SAMPLE, STALL_STEP, BatchReads, FailedRead, StallMeter, Watch
 
 
 class Store(aioload.Dataset):
@@ -125,7 +125,7 @@ def test_reads_that_await_leave_the_meter_quiet():
 
 @pytest.mark.parametrize("limit", [None, 1.0])
 def test_a_timed_read_returns_its_value_with_or_without_a_limit(limit):
-    from aioload._reads import read_within
+    from aioload._data.reads import read_within
 
     class Echo(aioload.Dataset):
         async def read(self, index):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import aioload
-from aioload._resume import ResumeWarning
+from aioload._plan.resume import ResumeWarning
 from tests.random_data import Augmented, Gated, Shuffled, Stream
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -312,7 +312,7 @@ def test_a_state_from_another_configuration_is_refused():
 
 
 def test_iterable_dataset_saved_mid_epoch_resumes_by_fast_forwarding_its_copies():
-    from aioload._stateful import FastForwardWarning
+    from aioload._plan.stateful import FastForwardWarning
 
     with aioload.DataLoader(Stream(10), batch_size=3, num_workers=1) as loader:
         first = [b.tolist() for b in loader]

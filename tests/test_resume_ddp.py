@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from aioload._sampling import ShardSampler
+from aioload._plan.sampling import ShardSampler
 from tests.dist_resume import RESUME_CASES
 from tests.frameworks.launch import LAUNCH_TIMEOUT, ROOT, run_ranks
 

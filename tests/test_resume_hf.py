@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import aioload
-from aioload._stateful import FastForwardWarning, drops_buffered_rows, is_stateful
+from aioload._plan.stateful import FastForwardWarning, drops_buffered_rows, is_stateful
 from tests.frameworks.launch import LAUNCH_TIMEOUT, SCRIPTS, run_ranks
 from tests.hf_data import Replayed, ids, stream, write_files
 from tests.resumption import may_fast_forward, resumed, roundtrip, uninterrupted

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import aioload
-from aioload._stateful import FastForwardWarning
+from aioload._plan.stateful import FastForwardWarning
 from tests.iterable_data import Counted, CountedIter, Noisy, Plain, items
 from tests.resumption import may_fast_forward, piece, resumed, roundtrip, uninterrupted
 

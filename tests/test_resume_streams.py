@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import aioload
-from aioload._resume import ResumeError
+from aioload._plan.resume import ResumeError
 from tests.stateful_data import Noisy, NoisyStream, identity
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

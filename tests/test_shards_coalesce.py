@@ -12,7 +12,7 @@ import gc
 import pytest
 
 import aioload
-from aioload._reads import BatchReads, BufferPart, FailedRead
+from aioload._data.reads import BatchReads, BufferPart, FailedRead
 from aioload._shards import coalesce
 from aioload._storage import scope as _scope
 from tests.httpserver import serving_copy

@@ -15,7 +15,7 @@ import torch
 
 import aioload
 from aioload._media.synth import write_sound, write_video
-from aioload._seeding import derive_seed, sample_seed, seed_everything
+from aioload._base.seeding import derive_seed, sample_seed, seed_everything
 
 FRAMES, RATE, SECONDS = 8, 8000, 0.5
 
@@ -46,7 +46,7 @@ def test_video_and_audio_members_decode_in_the_workers_as_the_media_functions_do
     seed = 4
     with aioload.DataLoader(ds, batch_size=3, num_workers=2, seed=seed) as loader:
         batches = list(loader)
-    base = derive_seed(seed, 0, 1)  # the epoch's per-sample seed base (aioload._sampling)
+    base = derive_seed(seed, 0, 1)  # the epoch's per-sample seed base (aioload._plan.sampling)
     seen = 0
     for batch in batches:
         assert batch["mp4"].shape == (3, FRAMES, 3, 48, 64) and batch["mp4"].dtype == torch.uint8

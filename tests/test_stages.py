@@ -15,11 +15,11 @@ import pytest
 
 import aioload
 from aioload._engine.budget import ErrorBudget
-from aioload._dataset import NOT_READY
+from aioload._data.dataset import NOT_READY
 from aioload._engine.decode import WHOLE_BATCH_SECONDS, DecodeStage, LayoutLesson
-from aioload._errors import DataLoaderTimeoutError, pack_exception
+from aioload._base.errors import DataLoaderTimeoutError, pack_exception
 from aioload._handoff.layout import LeafSpec
-from aioload._limiter import Limiter
+from aioload._data.limiter import Limiter
 from aioload._workers.messages import (BatchOut, Done, DropSlots, InitError, IterWork, ReadReport, RowsOut, RowsWork,
                                       Shutdown, StartEpoch, Stopped, Task, TaskError, WorkerReady)
 from aioload._engine.reads import ReadStage
@@ -504,7 +504,7 @@ def test_a_lease_lets_the_next_batch_of_its_worker_go_even_when_it_sent_nothing(
 
 # -- the reads-in-flight policy and its evidence ---------------------------------------------------
 def test_a_worker_limit_doubles_only_while_the_limit_holds_its_decoding_back():
-    from aioload._reads import GROW_WAIT_S, next_limit
+    from aioload._data.reads import GROW_WAIT_S, next_limit
 
     assert next_limit(32, 512, waited_s=0.2, limited_s=0.15) == 64  # waited, reads queued behind the limit
     assert next_limit(32, 512, waited_s=0.2, limited_s=0.05) == 32  # waited below the limit: latency, not the limit

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import aioload
-from aioload._resume import ResumeError, ResumeWarning
-from aioload._stateful import FastForwardWarning
+from aioload._plan.resume import ResumeError, ResumeWarning
+from aioload._plan.stateful import FastForwardWarning
 from tests.random_data import Shuffled, Stream
 
 N, BATCH = 10, 3

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import aioload
-from aioload._resume import ResumeWarning
-from aioload._stateful import FastForwardWarning
+from aioload._plan.resume import ResumeWarning
+from aioload._plan.stateful import FastForwardWarning
 from tests.stateful_data import Counted, Epoched, RandomWalk, Uneven, identity
 
 SIZES = [0, 100, 37]  # uneven, one worker empty

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import aioload
-from aioload._limiter import Limiter
+from aioload._data.limiter import Limiter
 from aioload._observe.stats import LoaderStats, StatsRecorder, format_stats
 from aioload._engine.spec import BatchBound
 from aioload._observe import tune

@@ -499,7 +499,7 @@ def test_the_index_pass_counts_without_a_data_loader(tmp_path):
               "docs = [{'input_ids': list(range(n % 7 + 1))} for n in range(600)]\n"
               "ds = d.PackedTokens(docs, 8, column='input_ids', index_workers=2)\n"
               "assert len(ds) > 0\n"
-              "print(sorted(m for m in sys.modules if m in ('aioload._loader', 'aioload._iterator')))\n")
+              "print(sorted(m for m in sys.modules if m in ('aioload._front.loader', 'aioload._front.iterator')))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -357,7 +357,7 @@ def test_aioload_can_take_torchs_place(tmp_path):
                               text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         runs[mode] = done.stdout.splitlines()
-    expected = [line.replace("torch.utils.data.dataloader ", "aioload._loader ") for line in runs["plain"]]
+    expected = [line.replace("torch.utils.data.dataloader ", "aioload._front.loader ") for line in runs["plain"]]
     assert runs["swapped"] == expected
     warned = " ".join(line for line in expected if line.startswith("UserWarning"))
     assert all(text in warned for text in ("pin_memory", "worker processes", "Length of IterableDataset"))

@@ -3,7 +3,7 @@
 # unit tests: no worker process
 
 Each rank is played in this one process with torch's fake process group (as in
-tests/test_unit_sampling.py), through the :class:`~aioload._sampling.Planner` that
+tests/test_unit_sampling.py), through the :class:`~aioload._plan.sampling.Planner` that
 ``aioload.DataLoader`` uses. The reference for "the rest of the epoch" is the uninterrupted run
 itself: every rank's batches after the ones the saved run delivered.
 """
@@ -17,7 +17,7 @@ import torch
 
 from aioload._plan.deal import Deal
 from aioload._plan.elastic import Segment, remainder, rest_of_epoch
-from aioload._seeding import derive_seed
+from aioload._base.seeding import derive_seed
 from tests.test_unit_sampling import make_planner, ranks  # noqa: F401 - ranks is a fixture
 
 pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
@@ -255,7 +255,7 @@ class Stream(torch.utils.data.IterableDataset):
 
 def test_an_iterable_datasets_position_restarts_its_epoch_on_the_new_world(ranks):
     import aioload
-    from aioload._resume import ResumeWarning
+    from aioload._plan.resume import ResumeWarning
 
     ranks(1, 2)
     with aioload.DataLoader(Stream(), batch_size=2) as loader:

@@ -24,7 +24,7 @@ import socket
 import pytest
 
 from aioload._workers import wire as _wire
-from aioload._errors import WorkerCrashedError, pack_exception
+from aioload._base.errors import WorkerCrashedError, pack_exception
 from aioload._engine.spec import BatchBound
 from aioload._workers.messages import BatchOut, CancelReads, Done, InitError, StartEpoch, Task, WorkerReady
 from aioload._workers.pool import PER_WORKER_TASKS, PoolSession

@@ -1,8 +1,8 @@
-"""The epoch plan (:mod:`aioload._sampling`): index order, seeds, rank shards and resume skipping.
+"""The epoch plan (:mod:`aioload._plan.sampling`): index order, seeds, rank shards and resume skipping.
 
 # unit tests: no worker process
 
-Each test builds a :class:`~aioload._sampling.Planner` over a plain torch ``DataLoader`` the
+Each test builds a :class:`~aioload._plan.sampling.Planner` over a plain torch ``DataLoader`` the
 way ``aioload.DataLoader`` does (its ``shard_sampler`` in place of torch's default sampler)
 and reads the plan's numbered batches directly. torch's own samplers and DataLoader are the
 reference wherever an order must equal theirs. Rank shards under ``torch.distributed`` use
@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from aioload._sampling import Planner, ShardByRank, ShardSampler, distributed_rank, shard_sampler
-from aioload._seeding import derive_seed
+from aioload._plan.sampling import Planner, ShardByRank, ShardSampler, distributed_rank, shard_sampler
+from aioload._base.seeding import derive_seed
 
 pytestmark = pytest.mark.unit  # no worker process, no thread pool: `pytest -m unit` runs these in seconds
 

@@ -12,7 +12,7 @@ import torch
 from torchvision.transforms.v2 import CenterCrop
 
 import aioload
-from aioload._errors import DataLoaderTimeoutError
+from aioload._base.errors import DataLoaderTimeoutError
 from tests.conftest import child_pids
 from tests.httpserver import Server
 

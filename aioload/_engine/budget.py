@@ -17,7 +17,7 @@ from typing import Callable
 
 from torch.utils.data import BatchSampler
 
-from aioload._errors import SKIP_HINT, TooManyErrorsError, forget_locals, where
+from aioload._base.errors import SKIP_HINT, TooManyErrorsError, forget_locals, where
 
 logger = logging.getLogger("aioload")
 

@@ -17,13 +17,13 @@ from torch.utils.data._utils.collate import collate, default_collate_fn_map
 from aioload._engine.budget import SAMPLE_STAGES
 from aioload._engine.ready import SKIP
 from aioload._engine.spec import Collation, Mode, Ready
-from aioload._errors import SKIP_HINT, BlockingReadWarning, unpack_exception
+from aioload._base.errors import SKIP_HINT, BlockingReadWarning, unpack_exception
 from aioload._handoff.chunks import chunk_samples, join_chunks, load_chunk, move_chunk_into_slot
 from aioload._handoff.layout import ALIGN, Layout
 from aioload._handoff.slots import SlotPool
 from aioload._handoff.views import collate_rows, load_batch, load_rows, row_samples
 from aioload._handoff.writers import column_views, move_into_slot
-from aioload._reads import stall_message
+from aioload._data.reads import stall_message
 from aioload._workers.messages import ChunkOut, Done, RowsOut, RowsWork, TaskError, WholeWork
 
 CHUNK_SECONDS = 0.1
@@ -76,7 +76,7 @@ class LayoutLesson:
 
 def noted(item, replies):
     """``item`` with the dataset states its tasks' replies captured (a Stateful map-style
-    dataset: see aioload._stateful), in the order the tasks ran."""
+    dataset: see aioload._plan.stateful), in the order the tasks ran."""
     notes = [(reply.copy.record["worker_id"], reply.copy) for reply in replies
              if isinstance(reply, Done) and reply.copy is not None]
     if notes and isinstance(item, Ready):

@@ -38,8 +38,8 @@ from aioload._engine.reads import ReadStage
 from aioload._engine.ready import ReadyQueue
 from aioload._engine.spec import Cancelled, Failure, Mode, Plan, Ready, Reads, Shared, Spec, Turn, resize_permits
 from aioload._engine.stuck import InFlight, StuckReport, describe_stuck
-from aioload._errors import TooManyErrorsError, WorkerCrashedError, forget_locals
-from aioload._limiter import Limiter
+from aioload._base.errors import TooManyErrorsError, WorkerCrashedError, forget_locals
+from aioload._data.limiter import Limiter
 from aioload._observe.stats import StatsRecorder
 from aioload._workers.messages import SetStreams, StartEpoch
 from aioload._workers import fetches as _fetches
@@ -246,7 +246,7 @@ class Engine:
 
     async def _tuned(self) -> int:
         """The epoch, with the autotuner resizing the limits beside it when it has one to move
-        (``io_concurrency="auto"`` where the workers read is theirs: see aioload._reads.next_limit)."""
+        (``io_concurrency="auto"`` where the workers read is theirs: see aioload._data.reads.next_limit)."""
         tuner = self.spec.tuner
         if tuner is None or not (tuner.controller.tune_io or tuner.controller.tune_depth):
             return await self._main()
@@ -271,7 +271,7 @@ class Engine:
                         session.send(wid, SetStreams(record))  # the saved run's workers' streams
                 for wid, resume in enumerate(self.plan.copies or ()):
                     if resume is not None and wid < self.pool.num_workers:
-                        session.send(wid, resume)  # before any task: its saved state (aioload._stateful)
+                        session.send(wid, resume)  # before any task: its saved state (aioload._plan.stateful)
                 if self._iterable is not None:
                     self._iterable.resume()
                 async with asyncio.TaskGroup() as batches:
@@ -288,7 +288,7 @@ class Engine:
                         self.clean = False
                     elif self.plan.streams is not None and self.pool.broken is None:
                         # persistent workers take their streams into the next epoch: a state
-                        # saved before it holds them (see aioload._resume)
+                        # saved before it holds them (see aioload._plan.resume)
                         self.plan.streams.put(await session.report_streams(STREAMS_TIMEOUT))
                 finally:
                     serve.cancel()

@@ -34,8 +34,8 @@ from typing import Any, Callable
 import torch
 from torch.utils.data._utils.collate import default_collate
 
-from aioload._errors import BlockingReadWarning, SKIP_HINT, unpack_exception
-from aioload._reads import stall_message
+from aioload._base.errors import BlockingReadWarning, SKIP_HINT, unpack_exception
+from aioload._data.reads import stall_message
 from aioload._workers.messages import TaskError
 from aioload._engine.executor_process import (FORGET_HOLD, NEED_DATASET, Job, SharedDataset, TRAINERS, batch_bytes,
                                               forget, forget_and_hold, inward, run_job)

@@ -3,7 +3,7 @@ keeps between tasks.
 
 :func:`run_job` loads one batch: the loader's dataset (kept per loader, by token: installed
 once from a Dask plugin, the trainer's shared memory or a task that carries it, see
-:func:`install`), its reads through the read core (:mod:`aioload._reads`), each sample seeded
+:func:`install`), its reads through the read core (:mod:`aioload._data.reads`), each sample seeded
 and decoded, the batch collated and its tensors turned into numpy arrays to travel back
 (:class:`_Array`) after a trial pickle. With ``seed=`` a task holds the process-wide generators
 alone (:class:`_Generators`) and, in a process with threads of its own, draws from a ``random``
@@ -27,10 +27,10 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.utils.data._utils.worker as torch_worker
 
-from aioload._errors import pack_exception
-from aioload._reads import BatchReads, FailedRead, StallMeter
+from aioload._base.errors import pack_exception
+from aioload._data.reads import BatchReads, FailedRead, StallMeter
 from aioload._workers.messages import TaskError
-from aioload._seeding import sample_seed, seed_everything, seed_worker
+from aioload._base.seeding import sample_seed, seed_everything, seed_worker
 from aioload._handoff.tree import leaves, map_leaves, map_tensors
 
 KEEP_DATASETS = 4
@@ -178,7 +178,7 @@ class _Known(NamedTuple):
     collate: Callable
     split: bool
     info: Any  # torch's WorkerInfo for this process (None in a thread pool: the trainer's own process)
-    meter: StallMeter  # this process's reads of it, timed (see aioload._reads)
+    meter: StallMeter  # this process's reads of it, timed (see aioload._data.reads)
 
 
 class _InitFailed(Exception):
@@ -328,7 +328,7 @@ class JobResult:
         self.samples = samples  # the samples the batch holds
         self.seconds = seconds  # wall time of the task
         self.cpu_s = cpu_s  # CPU seconds of the thread that ran it
-        # Reads done by the task: (latencies in seconds, bytes, an aioload._reads.Stall the first
+        # Reads done by the task: (latencies in seconds, bytes, an aioload._data.reads.Stall the first
         # time this process's reads of the dataset were found blocking their loop, else None).
         self.reads = reads
 

@@ -38,7 +38,7 @@ import torch
 from torch.utils.data._utils.collate import default_collate
 
 from aioload._engine.budget import AllSkipped, ErrorBudget
-from aioload._seeding import sample_seed, seed_everything
+from aioload._base.seeding import sample_seed, seed_everything
 from aioload._handoff.tree import map_tensors
 
 def decode_device_of(dataset) -> torch.device | None:

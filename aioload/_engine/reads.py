@@ -1,13 +1,13 @@
 """Stage 2, reads: ``await dataset.read(i)`` on the engine's loop, through the one read core
-(:class:`aioload._reads.BatchReads`): ``read_nowait`` first, at most ``io_concurrency`` in flight,
+(:class:`aioload._data.reads.BatchReads`): ``read_nowait`` first, at most ``io_concurrency`` in flight,
 each within ``read_timeout``, every step timed for the stall warning."""
 
 from __future__ import annotations
 
 from aioload._engine.budget import where
 from aioload._engine.spec import Ready, Reads
-from aioload._errors import BlockingReadWarning, a_kind
-from aioload._reads import BatchReads, FailedRead, StallMeter, Watch, stall_message, unpicklable
+from aioload._base.errors import BlockingReadWarning, a_kind
+from aioload._data.reads import BatchReads, FailedRead, StallMeter, Watch, stall_message, unpicklable
 
 
 class _EngineWatch(Watch):
@@ -39,7 +39,7 @@ class _EngineWatch(Watch):
 
 
 class ReadStage:
-    """One epoch's reads. ``io`` (a :class:`~aioload._limiter.Limiter`) bounds the reads in
+    """One epoch's reads. ``io`` (a :class:`~aioload._data.limiter.Limiter`) bounds the reads in
     flight; each read says where it is in ``inflight.samples`` (for the stuck report);
     ``pickled``: what ``read`` returns goes to a worker process, so it must pickle."""
 

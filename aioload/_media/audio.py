@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from aioload._dataset import NOT_READY, Dataset
+from aioload._data.dataset import NOT_READY, Dataset
 from aioload._media import clips as _clips
 from aioload._media import decoders as _decoders
 from aioload._media.source import labels_of

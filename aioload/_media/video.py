@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from aioload._dataset import NOT_READY, Dataset
+from aioload._data.dataset import NOT_READY, Dataset
 from aioload._media import clips as _clips
 from aioload._media import decoders as _decoders
 from aioload._media import source as _source

@@ -14,10 +14,10 @@ from typing import Any, Mapping
 
 import torch
 
-from aioload._dataset import NOT_READY, Dataset, is_split
+from aioload._data.dataset import NOT_READY, Dataset, is_split
 from aioload._mix.interleave import mixed_order, natural_length
 from aioload._mix.weights import Schedule, Weights, check_weights, normalised
-from aioload._seeding import derive_seed
+from aioload._base.seeding import derive_seed
 
 EXHAUSTED = ("repeat", "stop")
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from aioload._mix.weights import Schedule, Weights, normalised
-from aioload._seeding import derive_seed
+from aioload._base.seeding import derive_seed
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -1,6 +1,6 @@
 """How many samples of each source a mixed loader has delivered (``loader.stats().per_source``).
 
-The plan knows each batch's indices when the engine pulls it (:class:`aioload._sampling._Numbered`
+The plan knows each batch's indices when the engine pulls it (:class:`aioload._plan.sampling._Numbered`
 tells the tally then, on the engine's thread); a batch counts once the consumer has it (its
 sequence number is in the epoch's delivered set), so batches made again after a weight change
 or dropped with their epoch are not counted twice.

@@ -19,7 +19,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
-from aioload._errors import CopyOnReadWarning
+from aioload._base.errors import CopyOnReadWarning
 
 GROWTH_WARNING = 64 * 2**20
 """A worker whose private memory grew by more than this over one epoch, in a loader whose dataset

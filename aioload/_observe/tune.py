@@ -7,7 +7,7 @@ Neither knows the engine: what they need of it (the bound on batches in flight, 
 a slot, where to apply a change) is given to them.
 
 Where the workers read their samples, ``io_concurrency="auto"`` is not tuned here: each
-worker adapts its own reads in flight (:func:`aioload._reads.next_limit`), and only
+worker adapts its own reads in flight (:func:`aioload._data.reads.next_limit`), and only
 ``queue_depth`` is this tuner's.
 
 The policy, in words:
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from aioload._reads import MAX_IO, START_IO
+from aioload._data.reads import MAX_IO, START_IO
 
 TICK_S = 0.25
 """How often the tuner samples the pipeline."""
@@ -46,7 +46,7 @@ MAX_WINDOW_S = 4.0
 START_DEPTH = 2
 MAX_DEPTH = 16
 # START_IO (where io_concurrency="auto" starts: limits only grow from there, the memory budget
-# aside) and MAX_IO are aioload._reads', shared with the workers' own policy.
+# aside) and MAX_IO are aioload._data.reads', shared with the workers' own policy.
 
 WAITING = 0.02
 """The consumer waited more than this share of a window: the pipeline is short of something."""

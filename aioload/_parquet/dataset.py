@@ -32,7 +32,7 @@ from urllib.parse import quote, urljoin
 import numpy as np
 import torch
 
-from aioload._dataset import NOT_READY, Dataset
+from aioload._data.dataset import NOT_READY, Dataset
 from aioload._parquet import footer as _footer
 from aioload._parquet.footer import Footer, FooterCache, ParquetError
 from aioload._parquet.order import Layout
@@ -44,7 +44,7 @@ from aioload._shards.urls import shard_urls
 from aioload._storage import scope as _scope
 from aioload._storage.cache import LoaderShare
 from aioload._storage.storage import Storage, is_url, locate
-from aioload._strings import StringList
+from aioload._data.strings import StringList
 
 logger = logging.getLogger("aioload")
 

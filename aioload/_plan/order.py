@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from aioload._seeding import derive_seed
+from aioload._base.seeding import derive_seed
 
 STRIDE = "stride"
 BLOCKS = "blocks"

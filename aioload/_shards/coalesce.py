@@ -3,7 +3,7 @@
 Each sample of uniform mode is one range request. Reads that start in the same turn of an
 event loop (a task's reads, started together in a worker) and fall in the same shard less
 than ``gap`` bytes apart are asked for with one request, and each sample gets its own part of
-that request's buffer (:class:`~aioload._reads.BufferPart`), so what a sample's read returns is
+that request's buffer (:class:`~aioload._data.reads.BufferPart`), so what a sample's read returns is
 the same bytes as before, and ``decode`` checks them the same way.
 
 How a turn's reads find each other, without a task or a timer of their own: each read lists
@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable
 
-from aioload._reads import BufferPart
+from aioload._data.reads import BufferPart
 from aioload._storage import arrived
 
 GAP = 64 * 1024

@@ -43,9 +43,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from aioload._dataset import NOT_READY, Dataset
+from aioload._data.dataset import NOT_READY, Dataset
 from aioload._handoff.shared import SharedRange
-from aioload._reads import BufferPart
+from aioload._data.reads import BufferPart
 from aioload._shards import coalesce
 from aioload._shards import order as _order
 from aioload._shards import probe
@@ -58,7 +58,7 @@ from aioload._storage import scope as _scope
 from aioload._storage.mounts import is_network
 from aioload._storage.redact import redact
 from aioload._storage.storage import Storage, locate, read_buffer
-from aioload._strings import StringList
+from aioload._data.strings import StringList
 
 logger = logging.getLogger("aioload")
 

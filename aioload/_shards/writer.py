@@ -22,7 +22,7 @@ import os
 import tarfile
 from typing import Any, Mapping
 
-from aioload._errors import a_kind
+from aioload._base.errors import a_kind
 from aioload._shards import tar
 from aioload._shards.index import SIDECAR, ShardIndex
 from aioload._storage.storage import locate

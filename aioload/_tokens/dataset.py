@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from aioload._dataset import NOT_READY, Dataset
+from aioload._data.dataset import NOT_READY, Dataset
 from aioload._plan.order import BLOCKS, STRIDE, epoch_order
 from aioload._shards.order import window_order
 from aioload._tokens.documents import Documents

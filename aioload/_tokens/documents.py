@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from aioload._dataset import NOT_READY, is_split
+from aioload._data.dataset import NOT_READY, is_split
 
 TEXT_COLUMN = "text"
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from aioload._dataset import NOT_READY, Dataset
+from aioload._data.dataset import NOT_READY, Dataset
 from aioload._tokens.documents import Documents
 
 PASS_BATCH = 256

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aioload._seeding import derive_seed
+from aioload._base.seeding import derive_seed
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,5 +1,4 @@
 """The ``aioload`` command and what it runs: ``cli``, ``bench`` (side by side with torch's
 DataLoader) with ``benchhttp``/``benchserver``/``benchplot`` and
-``benchscenarios`` (the shards' and Parquet benchmarks' common run), and ``synth`` (the generated
-default data).
+``benchscenarios`` (the shards' and Parquet benchmarks' common run).
 """

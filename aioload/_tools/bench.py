@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from aioload._dataset import NOT_READY
+from aioload._data.dataset import NOT_READY
 from aioload.images import ImageFolder, decode_image, torchcodec_images
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from aioload._storage import scope as _scope
-from aioload._dataset import Dataset
+from aioload._data.dataset import Dataset
 
 SERVER = Path(__file__).resolve().parent / "benchserver.py"
 

@@ -2,7 +2,7 @@
 
 Run as a script (``python benchserver.py ROOT --latency-ms 20``), in its own process, so that it
 shares no GIL with the loaders being measured; it imports only the standard library,
-:mod:`aioload._parent` (which does too) and uvloop where installed. One asyncio loop serves
+:mod:`aioload._workers.parent` (which does too) and uvloop where installed. One asyncio loop serves
 every connection: each request is answered a round trip after it arrived (a timer, not a
 sleeping thread), so concurrent requests overlap as they do against a remote store, while the
 server spends little of the CPUs the loaders share with it (a thread per connection, as
@@ -33,12 +33,12 @@ from http import HTTPStatus
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from aioload._parent import exit_with
+from aioload._workers.parent import exit_with
 
 
 def die_with_parent(parent: int) -> None:
     """End this process when the process ``parent`` dies, even by SIGKILL
-    (:func:`aioload._parent.exit_with`)."""
+    (:func:`aioload._workers.parent.exit_with`)."""
     if os.getppid() != parent:  # it died before the watch began (its pid may be taken again)
         os._exit(1)
     exit_with(parent, "parent-watch")

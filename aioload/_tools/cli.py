@@ -64,7 +64,7 @@ class Scenario:
 
 
 def _data(args) -> str:
-    from aioload._tools.synth import default_root, is_complete, make_data
+    from aioload._data.synth import default_root, is_complete, make_data
 
     if args.data is not None:
         return args.data
@@ -117,7 +117,7 @@ def _run_scenarios(args, root: str, local) -> list[Scenario] | int:
         return 2
     depth = args.queue_depth
     if depth is None:
-        from aioload._loader import default_queue_depth
+        from aioload._front.loader import default_queue_depth
 
         depth = f"{default_queue_depth(None, args.workers)} (the loader's default)"
     print(f"aioload bench: {n} images in {root}, batch {args.batch_size}, {args.workers} workers, "
@@ -324,10 +324,10 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def make_data_command(args: argparse.Namespace) -> int:
-    from aioload._tools.synth import made_with, make_data
+    from aioload._data.synth import made_with, make_data
 
     if args.format == "parquet":
-        from aioload._tools.synth import make_parquet
+        from aioload._data.synth import make_parquet
 
         root = make_parquet(args.dir, args.images, classes=args.classes, seed=args.seed, quiet=False,
                             processes=os.cpu_count() or 1)

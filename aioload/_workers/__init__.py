@@ -7,4 +7,5 @@ the training process as memfds), ``state`` (the Stateful protocol for a worker's
 thread's Python stack of a worker, taken from outside it for the stuck report), ``messages``
 (every message between the two sides, typed) and
 ``wire`` (their framing on a socket).
+``parent`` makes a worker (or the bench's server) end with the process it serves.
 """

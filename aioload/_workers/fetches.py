@@ -36,7 +36,7 @@ import asyncio
 import contextvars
 from typing import Awaitable, Callable
 
-from aioload._errors import pack_exception
+from aioload._base.errors import pack_exception
 from aioload._handoff.shared import Memory
 from aioload._workers.messages import FetchShard
 from aioload._workers.reads import WorkerLoop

@@ -47,7 +47,7 @@ class SetStreams(NamedTuple):
     """A resumed epoch of persistent workers: the worker takes back the random streams (its
     seed, torch's, ``random``'s and numpy's) that the saved run's worker had then."""
 
-    record: dict  # aioload._seeding.capture_streams's
+    record: dict  # aioload._base.seeding.capture_streams's
 
 
 class ReportStreams(NamedTuple):
@@ -127,7 +127,7 @@ class WorkerReady(NamedTuple):
 class InitError(NamedTuple):
     """``worker_init_fn`` raised; the worker exits and the epoch fails with this error."""
 
-    packed: bytes  # aioload._errors.pack_exception of what it raised
+    packed: bytes  # aioload._base.errors.pack_exception of what it raised
 
 
 class Fetched(NamedTuple):
@@ -142,7 +142,7 @@ class Fetched(NamedTuple):
 class Streams(NamedTuple):
     """The reply to :class:`ReportStreams`: the worker's random streams now."""
 
-    record: dict  # aioload._seeding.capture_streams's
+    record: dict  # aioload._base.seeding.capture_streams's
 
 
 class TaskError(NamedTuple):
@@ -151,7 +151,7 @@ class TaskError(NamedTuple):
     pos: int  # the sample's position in the task's items (0 for a batch-wide failure)
     index: Any  # the dataset index; a list for a whole batch's or chunk's failure; None: unknown
     stage: str  # where it failed: "read", "decode", "__getitem__", "__getitems__", "collate", ...
-    packed: bytes  # aioload._errors.pack_exception of the exception, traceback included
+    packed: bytes  # aioload._base.errors.pack_exception of the exception, traceback included
 
 
 class RowsOut(NamedTuple):
@@ -192,7 +192,7 @@ class ReadReport(NamedTuple):
 
     latencies: list  # seconds each real read took
     nbytes: int  # bytes those reads returned
-    stall: Any  # an aioload._reads.Stall the first time the worker's reads blocked their loop, else None
+    stall: Any  # an aioload._data.reads.Stall the first time the worker's reads blocked their loop, else None
     waited_s: float  # seconds the worker's decoding waited for this task's reads
     limited_s: float  # of which, seconds its reads in flight were at the limit (reads queued behind it)
     limit: int  # the worker's reads-in-flight limit after this task

@@ -23,8 +23,8 @@ import time
 import weakref
 
 from aioload._workers import wire as _wire
-from aioload._errors import WorkerCrashedError, crash_message, describe_exit, unpack_exception
-from aioload._errors import UnpicklableError
+from aioload._base.errors import WorkerCrashedError, crash_message, describe_exit, unpack_exception
+from aioload._base.errors import UnpicklableError
 from aioload._workers.messages import (CancelReads, Done, Fetched, FetchShard, InitError, ReportStreams, Shutdown,
                                       Stopped, Streams, Task, WorkerReady)
 from aioload._handoff import shared as _shared
@@ -564,7 +564,7 @@ class PoolSession:
         return None
 
     async def report_streams(self, timeout: float) -> tuple | None:
-        """Each worker's random streams (:func:`aioload._seeding.capture_streams`), asked once
+        """Each worker's random streams (:func:`aioload._base.seeding.capture_streams`), asked once
         every task sent is answered; ``None`` where a worker does not answer within ``timeout``
         or the pool broke."""
         self._streams = [None] * self.pool.num_workers

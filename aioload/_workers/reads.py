@@ -14,13 +14,13 @@ with the engine's loop; a task whose every item ``read_nowait`` has at hand (a l
 does not touch the loop at all. At most ``limit`` reads are in flight per worker, each within
 ``read_timeout``: the loader's ``io_concurrency`` split across its workers, or, with
 ``io_concurrency="auto"``, a limit that starts at this worker's share of
-:data:`~aioload._reads.START_IO` and doubles while the worker's decoding waits for reads held
-at the limit (:func:`~aioload._reads.next_limit`), up to its share of
-:data:`~aioload._reads.MAX_IO`. How long the decoding waited, and how long of that the limit
+:data:`~aioload._data.reads.START_IO` and doubles while the worker's decoding waits for reads held
+at the limit (:func:`~aioload._data.reads.next_limit`), up to its share of
+:data:`~aioload._data.reads.MAX_IO`. How long the decoding waited, and how long of that the limit
 held the reads, goes back with each task's reply (:class:`~aioload._workers.messages.ReadReport`).
 
-The reads go through the one read core, :class:`aioload._reads.BatchReads`, as on the engine's
-loop and on an executor. A read that fails comes back as a :class:`~aioload._reads.FailedRead`
+The reads go through the one read core, :class:`aioload._data.reads.BatchReads`, as on the engine's
+loop and on an executor. A read that fails comes back as a :class:`~aioload._data.reads.FailedRead`
 with the note ``while reading dataset index i (path) in an aioload worker``; the worker reports
 it like a failed decode, with the stage ``"read"``, so ``on_error="skip"`` and the consumer's
 error look as they do for a read on the engine's loop. When the epoch ends early (``break``),
@@ -36,8 +36,8 @@ import threading
 import time
 from typing import Callable
 
-from aioload._limiter import Limiter
-from aioload._reads import NOT_READY, BatchReads, FailedRead, StallMeter, Watch, next_limit
+from aioload._data.limiter import Limiter
+from aioload._data.reads import NOT_READY, BatchReads, FailedRead, StallMeter, Watch, next_limit
 
 __all__ = ["CLOSE_GRACE", "FailedRead", "WorkerLoop", "WorkerReads"]
 
@@ -182,7 +182,7 @@ class WorkerReads(WorkerLoop):
 
     def adapt(self, waited_s: float, limited_s: float) -> int:
         """The limit after a task whose decoding waited ``waited_s`` for its reads, of which
-        ``limited_s`` behind the limit (:func:`~aioload._reads.next_limit`); changed on the
+        ``limited_s`` behind the limit (:func:`~aioload._data.reads.next_limit`); changed on the
         loop's thread."""
         limit = next_limit(self.limit, self.ceiling, waited_s, limited_s)
         if limit != self.limit:

@@ -82,7 +82,7 @@ def forward_epoch(dataset, epoch: int) -> None:
     training process's dataset and every worker's copy, and its ``set_epoch`` adds the
     difference in place (``_epoch += epoch - _epoch``): two workers setting the same epoch at
     once could both add it (epoch 1 became 2, another shuffle of its files). The training
-    process sets it first (:meth:`aioload._sampling.Planner.plan`), so a copy that shares it
+    process sets it first (:meth:`aioload._plan.sampling.Planner.plan`), so a copy that shares it
     finds it set and leaves it; a copy of its own gets it here."""
     set_epoch = getattr(dataset, "set_epoch", None)
     if not callable(set_epoch):

@@ -21,16 +21,16 @@ import torch
 import torch.utils.data._utils.worker as torch_worker
 
 from aioload._workers import wire as _wire
-from aioload._errors import pack_exception
+from aioload._base.errors import pack_exception
 from aioload._handoff.chunks import ChunkWriter
-from aioload._parent import exit_with
+from aioload._workers.parent import exit_with
 from aioload._handoff.layout import Layout
 from aioload._handoff.writers import RowWriter, SlotWriter, column_views
 from aioload._workers.messages import (BatchOut, CancelReads, ChunkOut, Done, DropSlots, Fetched, FetchShard,
                                       InitError, IterWork, ReadReport, ReportStreams, ResumeCopy, RowsOut, RowsWork,
                                       SetStreams, Shutdown, StartEpoch, Stopped, Streams, Task, TaskError, WholeWork,
                                       WorkerReady)
-from aioload._seeding import capture_streams, restore_streams, sample_seed, seed_everything, seed_worker
+from aioload._base.seeding import capture_streams, restore_streams, sample_seed, seed_everything, seed_worker
 from aioload._handoff import shared as _shared
 from aioload._handoff.shm import Segment, recv_fd, send_fd
 from aioload._workers.fetches import ShardFetches
@@ -518,7 +518,7 @@ def _receive_progress(ctrl):
 
 def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=(), parent: int | None = None) -> None:
     """Entry point of a worker process; ``parent``: the loader's process, which it never outlives
-    (:func:`aioload._parent.exit_with`: a worker stuck in a decode would not see its socket close)."""
+    (:func:`aioload._workers.parent.exit_with`: a worker stuck in a decode would not see its socket close)."""
     if parent is not None:
         exit_with(parent)
     # A forked worker inherits the parent's ends of its siblings' sockets: close them, so

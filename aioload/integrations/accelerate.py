@@ -35,7 +35,7 @@ import torch
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
 
-from aioload._resume import ResumeError
+from aioload._plan.resume import ResumeError
 
 __all__ = ["PreparedLoader", "padded_remainder", "prepare", "skip_first_batches"]
 

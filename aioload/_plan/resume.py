@@ -17,7 +17,7 @@ A state is plain data (dicts, lists or tuples, strings, ints, bools, ``None``), 
          "inexact": None | "<why>",       # the position inside the epoch was not saved
          "order_seed": None | 7,          # the seed the epoch's order was computed from
          "segments": [[4, 10, []]]},      # earlier parts of the epoch on other world sizes
-     "stateful": {...},                   # optional: an IterableDataset's copies (aioload._stateful)
+     "stateful": {...},                   # optional: an IterableDataset's copies (aioload._plan.stateful)
      "sampler": <sampler.state_dict()>}   # optional: a Stateful sampler's, at the epoch's start
 
 ``rng`` holds generator states at the start of the epoch in progress (between epochs: as the
@@ -27,7 +27,7 @@ that replaying the sampler gives the same order.
 ``worker_streams`` (persistent workers without ``seed=``, in a state of an epoch's start or
 saved between epochs) says what the workers' random streams are when that epoch starts:
 ``"new"``, new workers (seeded from the epoch's base seed, as the saved run's were), or one
-record per worker (:func:`aioload._seeding.capture_streams`: its seed and its torch, ``random``
+record per worker (:func:`aioload._base.seeding.capture_streams`: its seed and its torch, ``random``
 and numpy streams), the streams the saved run's persistent workers had gone on to.
 Nothing in a state names the rank that saved it unless it lists that rank's own indices
 (``batches``): under ``torch.distributed`` ranks move in lockstep through shards of equal
@@ -39,7 +39,7 @@ also]``) and the rest of the epoch is dealt again over the ``M`` ranks
 (:mod:`aioload._plan.elastic`).
 
 The ``stateful`` entry holds the dataset's own states, which may be any value (a tensor, say):
-it is checked by :func:`aioload._stateful.check` and exempt from the plain-data rule. So is
+it is checked by :func:`aioload._plan.stateful.check` and exempt from the plain-data rule. So is
 ``sampler``: the state a Stateful sampler (or batch sampler) returned from ``state_dict()`` at
 the start of the epoch in progress (between epochs: now), before the epoch's ``iter()``. A
 resumed epoch gives it back through ``load_state_dict()`` and replays the sampler from it,
@@ -63,9 +63,9 @@ from dataclasses import dataclass
 
 import torch
 
-from aioload._errors import ResumeError, ResumeWarning, a_kind
-from aioload._stateful import check as check_stateful
-from aioload._stateful import check_depth
+from aioload._base.errors import ResumeError, ResumeWarning, a_kind
+from aioload._plan.stateful import check as check_stateful
+from aioload._plan.stateful import check_depth
 
 VERSION = 1
 MAX_DEPTH = 32  # a state needs 4 levels, plus the nesting of the sampler's indices
@@ -278,7 +278,7 @@ class Expected:
     listed: "Listed | None" = None  # a sampler given as a list of indices: the only ones a state may name
     # A loader whose order aioload computes resumes on another world size; the position in
     # each part of the epoch is then checked against that part's batches by the planner,
-    # which knows the epoch's order (aioload._sampling.Planner.load).
+    # which knows the epoch's order (aioload._plan.sampling.Planner.load).
     elastic: bool = False
 
 
@@ -515,7 +515,7 @@ def _check_streams(streams, base_seeds: str, prog) -> str | tuple | None:
     records = _seq(streams, "worker_streams")
     if not records:
         raise _fail("worker_streams", f"must be {NEW_WORKERS!r} or one record per worker, got an empty list")
-    from aioload._seeding import check_streams
+    from aioload._base.seeding import check_streams
 
     for i, record in enumerate(records):
         path = f"worker_streams[{i}]"

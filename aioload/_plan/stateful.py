@@ -32,7 +32,7 @@ copies of the next epoch (an epoch counter, a shuffle seed), and only where the 
 have lived on: persistent workers, or ``num_workers=0`` (torch's fresh workers get fresh copies);
 a copy that a carried state leaves with nothing to yield (the end of the last epoch's stream)
 starts its stream again, as the live copy did. A state saved with another number
-of workers resumes its epoch from the start (:class:`~aioload._resume.ResumeWarning`): each
+of workers resumes its epoch from the start (:class:`~aioload._plan.resume.ResumeWarning`): each
 worker's copy holds its own part of the stream; so does one saved with another number of ranks
 (a rank's copies hold that rank's part: each rank loads the state it saved).
 """
@@ -42,7 +42,7 @@ from __future__ import annotations
 import reprlib
 import warnings
 
-from aioload._errors import ResumeError, ResumeWarning
+from aioload._base.errors import ResumeError, ResumeWarning
 from aioload._workers.messages import CopyNote, ResumeCopy
 from aioload._workers.state import drops_buffered_rows, forward_epoch, is_stateful, load_dataset_state
 
@@ -324,7 +324,7 @@ def check_depth(value, path: str) -> None:
 def from_torchdata(state, start: dict, iterable: bool, num_workers: int, world_size: int) -> dict:
     """The aioload state that resumes what torchdata's ``StatefulDataLoader`` saved in
     ``state``, for an IterableDataset: ``start`` (the loader's state of its next epoch's start,
-    :meth:`aioload._sampling.Planner.start_state`) with each worker's record taken over as it
+    :meth:`aioload._plan.sampling.Planner.start_state`) with each worker's record taken over as it
     is. What torchdata does not save per worker (the items a copy delivered) is taken as 0, so a
     copy that is not Stateful starts its stream again."""
     if not iterable:

@@ -5,8 +5,8 @@ epoch starts, and :class:`EpochIterator`, the base of both epoch iterators (torc
 The base holds what every epoch shares: ``__iter__``/``__aiter__``/``__len__``, the lazy start
 at the first ``next()``, the end of the epoch (exhausted, closed, superseded by a newer one),
 and the statistics of each delivered batch. A subclass only says how the next batch is
-obtained: :class:`aioload._iterator.EngineIterator` takes it from the engine's ready queue,
-:class:`aioload._inprocess.InProcessIterator` loads it in the caller's thread.
+obtained: :class:`aioload._front.iterator.EngineIterator` takes it from the engine's ready queue,
+:class:`aioload._front.inprocess.InProcessIterator` loads it in the caller's thread.
 
 The iterator knows its loader only as an :class:`EpochSource` (``len()`` and the two calls
 that start an epoch); everything else it needs arrives in the context.
@@ -19,16 +19,16 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from aioload._compat import WAITING, profiled, warn_iterable_length
-from aioload._errors import LoaderClosedError
+from aioload._front.compat import WAITING, profiled, warn_iterable_length
+from aioload._base.errors import LoaderClosedError
 
 if TYPE_CHECKING:
     from aioload._engine.budget import ErrorBudget
     from aioload._engine.engine import Engine
     from aioload._observe.monitor import Monitor
     from aioload._engine.ready import ReadyQueue
-    from aioload._resources import Resources
-    from aioload._sampling import EpochProgress
+    from aioload._front.resources import Resources
+    from aioload._plan.sampling import EpochProgress
     from aioload._engine.spec import Plan
     from aioload._observe.stats import StatsRecorder
 
@@ -88,7 +88,7 @@ class EpochContext:
 
     def noted(self) -> None:
         """Apply what the batches just passed did to an IterableDataset's copies (their notes,
-        in the order received: see aioload._stateful)."""
+        in the order received: see aioload._plan.stateful)."""
         copies = self.progress.copies if self.progress is not None else None
         if copies is not None and self.ready is not None:
             copies.apply(self.ready.take_notes())

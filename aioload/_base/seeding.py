@@ -72,7 +72,7 @@ def draw_base_seed(generator: torch.Generator | None) -> int:
 # -- a worker's random streams ------------------------------------------------------------
 # Persistent workers' streams go on from epoch to epoch (as torch's do): a state saved between
 # epochs carries each worker's streams as they are (its seed, torch's, ``random``'s and numpy's
-# global generators), and a resumed epoch's workers take them back (see aioload._resume).
+# global generators), and a resumed epoch's workers take them back (see aioload._plan.resume).
 _RANDOM = struct.Struct("<625I?d")  # random.getstate(): 624 words and the index, then gauss_next
 _NUMPY = struct.Struct("<624IIid")  # numpy's legacy MT19937: words, position, has_gauss, cached
 

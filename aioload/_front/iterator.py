@@ -1,7 +1,7 @@
 """The epoch fed by the engine, for ``for`` or ``async for``: finished batches from the ready
 queue, the ``timeout=`` error, and the async wait on the caller's own event loop. Dropping the
 iterator, ``break``, an exception or Ctrl-C stops the engine. What every epoch shares (the lazy
-start, ``len()``, the end of an epoch) is :class:`aioload._epoch.EpochIterator`'s."""
+start, ``len()``, the end of an epoch) is :class:`aioload._front.epoch.EpochIterator`'s."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 import anyio
 
 from aioload._handoff import device as _device
-from aioload._compat import WAITING_ASYNC, profiled
-from aioload._epoch import EpochContext, EpochIterator, EpochSource
-from aioload._errors import DataLoaderTimeoutError, StalledWarning
+from aioload._front.compat import WAITING_ASYNC, profiled
+from aioload._front.epoch import EpochContext, EpochIterator, EpochSource
+from aioload._base.errors import DataLoaderTimeoutError, StalledWarning
 from aioload._engine.gpudecode import DecodeTransfer
 from aioload._engine.budget import AllSkipped
-from aioload._inprocess import decode_in_process
+from aioload._front.inprocess import decode_in_process
 from aioload._engine.ready import EndOfEpoch
 from aioload._engine.spec import Cancelled, Failure, Reads, Ready
 from aioload._observe.stats import outside_frames

@@ -2,13 +2,13 @@
 
 The loader validates its arguments exactly as torch's DataLoader does (by building one, which
 also gives it torch's sampler logic), owns the worker pool and the slot pool, and starts one
-:class:`~aioload._engine.engine.Engine` per epoch. The iterator it returns (:mod:`aioload._iterator`)
+:class:`~aioload._engine.engine.Engine` per epoch. The iterator it returns (:mod:`aioload._front.iterator`)
 takes finished batches from the ready queue; dropping it, ``break``, an exception or Ctrl-C
 stops the engine. With ``num_workers=0`` and a plain dataset, loading runs in the caller's
-thread (:mod:`aioload._inprocess`). Both iterators share one base (:mod:`aioload._epoch`) and
+thread (:mod:`aioload._front.inprocess`). Both iterators share one base (:mod:`aioload._front.epoch`) and
 know the loader only through ``len()``, :meth:`DataLoader._start_engine` and
 :meth:`DataLoader._start_in_process`, which hand each epoch its
-:class:`~aioload._epoch.EpochContext`.
+:class:`~aioload._front.epoch.EpochContext`.
 """
 
 from __future__ import annotations
@@ -27,28 +27,28 @@ from torch.utils.data._utils.collate import default_collate
 
 from aioload._handoff import device as _device
 from aioload._engine.budget import ErrorBudget, check_max_errors, epoch_samples, logger
-from aioload._compat import len_called, warn_as_torch_iterator
-from aioload._dataset import fetches_batches, is_split
+from aioload._front.compat import len_called, warn_as_torch_iterator
+from aioload._data.dataset import fetches_batches, is_split
 from aioload._engine.engine import Engine
-from aioload._epoch import EpochContext
+from aioload._front.epoch import EpochContext
 from aioload._engine import executor as _executor
-from aioload._errors import LoaderClosedError, a_kind
+from aioload._base.errors import LoaderClosedError, a_kind
 from aioload._engine import gpudecode as _gpudecode
-from aioload._inprocess import InProcessIterator
-from aioload._iterator import EngineIterator
+from aioload._front.inprocess import InProcessIterator
+from aioload._front.iterator import EngineIterator
 from aioload._observe.monitor import Monitor, check_options
 from aioload._workers.pool import WorkerPool, choose_context
 from aioload._engine.ready import ReadyQueue
-from aioload._resources import LIVE, Resources, finalize_loader, watch_exit
-from aioload._sampling import EpochProgress, Planner, shard_sampler
-from aioload._sampling import distributed_rank as _distributed_rank
-from aioload._seeding import derive_seed
-from aioload import _stateful
+from aioload._front.resources import LIVE, Resources, finalize_loader, watch_exit
+from aioload._plan.sampling import EpochProgress, Planner, shard_sampler
+from aioload._plan.sampling import distributed_rank as _distributed_rank
+from aioload._base.seeding import derive_seed
+from aioload._plan import stateful as _stateful
 from aioload._engine.spec import BatchBound, Mode, Plan, Reads, Shared, Spec
 from aioload._observe.stats import LoaderStats, StatsRecorder, dataset_figures
 from aioload._observe.tune import check_knob, is_auto, make_tuner
-from aioload._reads import MAX_IO, START_IO
-from aioload._resume import NEW_WORKERS
+from aioload._data.reads import MAX_IO, START_IO
+from aioload._plan.resume import NEW_WORKERS
 from aioload._workers.worker import WorkerConfig
 
 # torch's class, taken at import: a program may then put aioload's in its place
@@ -383,7 +383,7 @@ class DataLoader(Generic[_T_co]):
 
     def _next_streams(self):
         """The next epoch's workers' random streams, for a state of its start (see
-        aioload._resume): new workers where none are running, else those the running ones
+        aioload._plan.resume): new workers where none are running, else those the running ones
         reported at the end of the last epoch (``None``: not known, or not kept)."""
         if not self._keeps_streams():
             return None
@@ -502,7 +502,7 @@ class DataLoader(Generic[_T_co]):
             self._monitor.begin_epoch(epoch, total)
 
     def _plan(self) -> Plan:
-        """The next epoch's numbered index batches and seeds (see :mod:`aioload._sampling`)."""
+        """The next epoch's numbered index batches and seeds (see :mod:`aioload._plan.sampling`)."""
         epoch, resume = self._next_epoch, self._resume
         self._next_epoch += 1
         self._resume = None
@@ -616,7 +616,7 @@ class DataLoader(Generic[_T_co]):
     def _read_limits(self, num_workers: int) -> tuple[int, int]:
         """Reads in flight per worker, where the workers read: ``(at first, at most)``. A fixed
         ``io_concurrency`` is split across the workers; ``"auto"`` starts each at its share of
-        ``START_IO`` and lets it grow to its share of ``MAX_IO`` (see aioload._reads.next_limit)."""
+        ``START_IO`` and lets it grow to its share of ``MAX_IO`` (see aioload._data.reads.next_limit)."""
         if is_auto(self.io_concurrency):
             return -(-START_IO // num_workers), -(-MAX_IO // num_workers)
         share = -(-int(self.io_concurrency) // num_workers)

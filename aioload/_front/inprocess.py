@@ -13,9 +13,9 @@ import torch
 
 from aioload._handoff import device as _device
 from aioload._engine.budget import SKIPPED, AllSkipped, run_in_process
-from aioload._compat import LOADING, WAITING_ASYNC, profiled
-from aioload._epoch import EpochContext, EpochIterator, EpochSource
-from aioload._seeding import sample_seed, seed_everything
+from aioload._front.compat import LOADING, WAITING_ASYNC, profiled
+from aioload._front.epoch import EpochContext, EpochIterator, EpochSource
+from aioload._base.seeding import sample_seed, seed_everything
 from aioload._workers.state import CopyState, dataset_note
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class InProcessIterator(EpochIterator):
 
     def _open(self, source: EpochSource) -> EpochContext:
         ctx = source._start_in_process()
-        if ctx.iterable:  # a resumed epoch gives the dataset its saved state first (aioload._stateful)
+        if ctx.iterable:  # a resumed epoch gives the dataset its saved state first (aioload._plan.stateful)
             copies = ctx.plan.copies
             self._copy = CopyState(0, ctx.dataset, copies[0] if copies else None, ctx.plan.epoch)
         return ctx

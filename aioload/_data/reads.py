@@ -26,8 +26,8 @@ import pickle
 import time
 from typing import Any, NamedTuple
 
-from aioload._dataset import NOT_READY, Dataset
-from aioload._errors import DataLoaderTimeoutError, where
+from aioload._data.dataset import NOT_READY, Dataset
+from aioload._base.errors import DataLoaderTimeoutError, where
 from aioload._storage import arrived
 
 STALL_STEP = 0.05

@@ -8,7 +8,7 @@ epoch picks up.
   this rank's :class:`ShardSampler` each epoch, from ``torch.distributed`` as it is then.
 * :class:`Planner` turns the torch loader's samplers into one epoch's :class:`Plan` of numbered
   index batches, skipping those a saved state says were already delivered, and writes and
-  checks that state (``loader.state_dict()``; the format lives in :mod:`aioload._resume`).
+  checks that state (``loader.state_dict()``; the format lives in :mod:`aioload._plan.resume`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
-from aioload import _resume, _stateful
+from aioload._plan import resume as _resume
+from aioload._plan import stateful as _stateful
 from aioload._engine.ready import Delivered
 from aioload._engine.spec import EndStreams, Plan
 from aioload._plan.deal import Deal
@@ -31,7 +32,7 @@ from aioload._plan.elastic import Segment, remainder, rest_of_epoch
 from aioload._mix.tally import SourceTally
 from aioload._mix.weights import with_change
 from aioload._plan.order import STRIDE, deal_of, epoch_order, has_own_order
-from aioload._seeding import derive_seed, draw_base_seed
+from aioload._base.seeding import derive_seed, draw_base_seed
 
 
 def distributed_rank() -> tuple[int, int] | None:
@@ -259,7 +260,7 @@ class _Numbered:
 
     def written(self) -> tuple:
         """Every ``(seq, indices)`` not delivered when first asked, in order, as plain data;
-        raises :class:`~aioload._resume.Unsaveable` where they cannot be written out.
+        raises :class:`~aioload._plan.resume.Unsaveable` where they cannot be written out.
 
         The first call draws the rest of the epoch from the sampler (the engine goes on pulling
         the same batches from a buffer); later calls return the same tuple, so that saving a
@@ -701,7 +702,7 @@ class Planner:
 
     def state_dict(self, next_epoch: int, progress: EpochProgress | None, workers=None) -> dict:
         """The state now. ``workers``: between epochs, the next epoch's workers' random streams
-        (``worker_streams``, see :mod:`aioload._resume`), or ``None``."""
+        (``worker_streams``, see :mod:`aioload._plan.resume`), or ``None``."""
         if progress is None or progress.delivered.complete:
             # Between epochs: the next one starts from the generators as they are now, torch's
             # global RNG included where the loader draws from it (pinned: the next epoch draws
@@ -807,7 +808,7 @@ class Planner:
         return draw_base_seed(scratch)
 
     def expected(self) -> _resume.Expected:
-        """What a state this loader can load looks like (see :func:`aioload._resume.unpack`)."""
+        """What a state this loader can load looks like (see :func:`aioload._plan.resume.unpack`)."""
         t = self.torch
         return _resume.Expected(
             config=self.config(), batches=_len_or_none(t._index_sampler), iterable=self.iterable,
