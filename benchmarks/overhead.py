@@ -551,7 +551,8 @@ GROUPS = {  # inclusive: a sample counts once in a group when any frame of its s
         "aioload/_engine/decode.py", "aioload/_handoff/slots.py", "aioload/_handoff/layout.py", "aioload/_handoff/views.py",
         "aioload/_handoff/writers.py", "aioload/_handoff/chunks.py", "aioload/_handoff/tree.py"),
     "aioload ready queue and consumer (_ready, _iterator, _loader)": (
-        "aioload/_engine/ready.py", "aioload/_front/iterator.py", "aioload/_front/epoch.py", "aioload/_front/loader.py"),
+        "aioload/_engine/ready.py", "aioload/_front/iterator.py", "aioload/_front/epoch.py",
+        "aioload/_front/loader.py"),
     "aioload statistics (_stats)": ("aioload/_observe/stats.py",),
 }
 LOOP_ONLY = "event loop's own C code (uvloop; no Python frame below Engine._run)"
