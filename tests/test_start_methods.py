@@ -47,7 +47,7 @@ def test_a_main_module_without_the_main_guard_is_named_with_the_fix(tmp_path, me
     assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
     last = done.stderr.rstrip().splitlines()[-1]
     assert re.fullmatch(
-        r"aioload\._errors\.WorkerCrashedError: DataLoader worker \(pid \d+\) exited unexpectedly with exit code 1\. "
+        r"aioload\._base\.errors\.WorkerCrashedError: DataLoader worker \(pid \d+\) exited unexpectedly with exit code 1\. "
         rf"aioload worker 0 exited with code 1 before it started\. With the '{method}' start method each worker "
         rf"first runs the main module \({re.escape(str(script))}\) again, its top-level code included: where that "
         r"code iterates a DataLoader, the worker tries to start workers of its own and fails \(its error is printed "
