@@ -3,6 +3,7 @@ among the workers (real worker processes), and the whole follows the cgroup's me
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,3 +56,35 @@ def test_a_parquet_dataset_bounds_its_caches_loader_wide_by_default(tmp_path):
     assert int(ds._cache.max_bytes) + int(ds._pages.max_bytes) == loader_cache_bytes()
     fixed = aioload.Parquet([str(tmp_path / "a.parquet")], columns=["key"], footer_cache=False, cache_bytes=1000)
     assert (fixed._cache.max_bytes, fixed._pages.max_bytes) == (1000, 1000)
+
+
+@pytest.mark.unit
+def test_what_a_cache_holds_is_counted_in_its_process():
+    from aioload._storage.cache import MemoryCache, held_bytes
+
+    cache = MemoryCache(1 << 20)
+    before = held_bytes().get("memory_cache", 0)
+    cache.put("a", b"x" * 100)
+    cache.put("b", b"y" * 28)
+    assert held_bytes()["memory_cache"] - before == 128 == cache.stats().bytes
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_stats_give_what_the_workers_parquet_caches_hold(tmp_path, window):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "a.parquet"
+    rng = np.random.default_rng(0)  # incompressible: the caches hold about what the rows weigh
+    pq.write_table(pa.table({"key": list(range(200)), "blob": [rng.bytes(1000) for _ in range(200)]}),
+                   path, row_group_size=50, write_page_index=True, data_page_size=4096)
+    ds = aioload.Parquet([str(path)], columns=["key", "blob"], footer_cache=False, window=window,
+                         cache_bytes=1 << 20)
+    with aioload.DataLoader(ds, batch_size=10, num_workers=2, shuffle=True, seed=0) as loader:
+        assert sorted(k for batch in loader for k in batch["key"].tolist()) == list(range(200))
+        s = loader.stats()
+    held = s.parquet_page_bytes if window is None else s.parquet_row_group_bytes
+    other = s.parquet_row_group_bytes if window is None else s.parquet_page_bytes
+    # every row's bytes went through the workers' caches, each bounded at 1 MiB a worker
+    assert 200 * 1000 <= held <= 2 * (1 << 20), s
+    assert other == 0, s

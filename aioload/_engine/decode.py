@@ -142,6 +142,8 @@ class DecodeStage:
         count, seconds = reply.out.count, reply.seconds
         self._learn(reply.specs, rows)
         self.stats.decoded_batch(count, seconds, reply.cpu_s)
+        if reply.caches is not None:
+            self.stats.worker_caches(*reply.caches)
         report = reply.reads
         if report is not None:
             self.stats.worker_reads(report.latencies, report.nbytes, report.waited_s, report.limited_s)

@@ -35,6 +35,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable
 
 from aioload._observe import memory as _memory
+from aioload._storage.cache import held_bytes
 
 DATA_BOUND = 0.10
 """Waiting at least this share of the steady state makes a loop "data-bound"."""
@@ -212,6 +213,17 @@ class LoaderStats:
     worker_growth_bytes: tuple = field(default=(), metadata=_stat(
         GAUGE, "how much each worker's private memory grew over the last epoch that ended, from its first "
                "batch (copy-on-read shows here)", "bytes", "memory"))
+    parquet_row_group_bytes: int = field(default=0, metadata=_stat(
+        GAUGE, "what `aioload.Parquet`'s row group caches hold, over the loader's processes (each worker's as "
+               "its last task reported it)", "bytes", "memory"))
+    parquet_page_bytes: int = field(default=0, metadata=_stat(
+        GAUGE, "what `aioload.Parquet`'s page caches hold (uniform mode: pages and page indexes), over the "
+               "loader's processes", "bytes", "memory"))
+    memory_cache_bytes: int = field(default=0, metadata=_stat(
+        GAUGE, "what `aioload.MemoryCache`s hold, over the loader's processes", "bytes", "memory"))
+    disk_cache_index_bytes: int = field(default=0, metadata=_stat(
+        GAUGE, "what a `aioload.DiskCache`'s index of its folder weighs in memory (estimated from its entries), "
+               "over the loader's processes", "bytes", "memory"))
     copy_on_read: str = field(default="", metadata=_stat(
         GAUGE, "the dataset's large Python containers (100,000 items or more), named by attribute, once a worker "
                "grew more than 64 MB over an epoch (the `CopyOnReadWarning`); empty otherwise", "", "recorder"))
@@ -592,6 +604,11 @@ def format_stats(stats: LoaderStats) -> str:
     return "\n".join(f"{label:<{width}}  {text}" for label, text in rows)
 
 
+_CACHE_KINDS = {"parquet_row_groups": "parquet_row_group_bytes", "parquet_pages": "parquet_page_bytes",
+                "memory_cache": "memory_cache_bytes", "disk_cache_index": "disk_cache_index_bytes"}
+"""A kind of cache (``aioload._storage.cache.hold``) -> its statistic."""
+
+
 def _memory_row(s: LoaderStats) -> str:
     workers = ""
     if s.worker_pss_bytes:
@@ -599,7 +616,12 @@ def _memory_row(s: LoaderStats) -> str:
                    f"{_bytes(max(s.worker_peak_pss_bytes))}), of which private "
                    f"{', '.join(_bytes(n) for n in s.worker_private_bytes)}, grown "
                    f"{', '.join(_bytes(n) for n in s.worker_growth_bytes)} over the last epoch")
-    return f"PSS: this process {_bytes(s.process_pss_bytes)}{workers}; batch slots {_bytes(s.shm_bytes)} shared"
+    caches = [(name, getattr(s, field)) for name, field in (
+        ("Parquet row groups", "parquet_row_group_bytes"), ("Parquet pages", "parquet_page_bytes"),
+        ("memory cache", "memory_cache_bytes"), ("disk cache index", "disk_cache_index_bytes"))]
+    held = "".join(f"; {name} {_bytes(nbytes)}" for name, nbytes in caches if nbytes)
+    return (f"PSS: this process {_bytes(s.process_pss_bytes)}{workers}; batch slots {_bytes(s.shm_bytes)} "
+            f"shared{held}")
 
 
 def _reads_row(s: LoaderStats) -> str:
@@ -775,6 +797,8 @@ class StatsRecorder:
         # each worker's memory, by worker id (gauges: not reset with the counters)
         self._memory = _memory.MemoryWindow(lambda: self.worker_pids())
         self._copying: Warning | None = None  # a CopyOnReadWarning for the consumer's thread to give
+        # what each worker's caches held after its last task, by worker id: {kind: bytes}
+        self._caches: dict[int, dict[str, int]] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -836,6 +860,19 @@ class StatsRecorder:
         (``None`` before any reply of a worker that reads)."""
         limits = self.read_limits
         return sum(limits.values()) if limits else None
+
+    def worker_caches(self, worker: int, held: tuple) -> None:
+        """Worker ``worker``'s caches hold ``held`` (``(kind, bytes)`` pairs) now."""
+        self._caches[worker] = dict(held)
+
+    def cache_figures(self) -> dict[str, int]:
+        """Each kind of cache's bytes: this process's and the workers' last reported."""
+        totals = dict.fromkeys(_CACHE_KINDS.values(), 0)
+        for held in [held_bytes(), *list(self._caches.values())]:
+            for kind, nbytes in held.items():
+                if kind in _CACHE_KINDS:
+                    totals[_CACHE_KINDS[kind]] += nbytes
+        return totals
 
     def read_stalled(self, warning: Warning) -> None:
         """A ``read`` blocks its event loop: the consumer warns with ``warning``, once."""
@@ -971,5 +1008,6 @@ class StatsRecorder:
         values["read_p50_ms"] = _percentile(latencies, 0.5) * 1e3
         values["read_p99_ms"] = _percentile(latencies, 0.99) * 1e3
         values.update(self._memory.figures())
+        values.update(self.cache_figures())
         values.update(gauges)
         return LoaderStats(**values)

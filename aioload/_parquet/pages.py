@@ -106,8 +106,9 @@ class PageReader:
 
     def __init__(self, max_bytes: SupportsInt):
         self.max_bytes = max_bytes
-        self.pages: RowGroupCache[Piece] = RowGroupCache(max_bytes, 1)
-        self.indexes: RowGroupCache[Piece] = RowGroupCache(1 << 62, 1)  # a file's page index is a few bytes a page: kept
+        self.pages: RowGroupCache[Piece] = RowGroupCache(max_bytes, 1, kind="parquet_pages")
+        # a file's page index is a few bytes a page: kept
+        self.indexes: RowGroupCache[Piece] = RowGroupCache(1 << 62, 1, kind="parquet_pages")
 
     def __getstate__(self):  # a copy (a spawned worker's) starts empty
         return {"max_bytes": self.max_bytes}

@@ -43,7 +43,7 @@ import time
 import zlib
 from collections.abc import Iterator
 
-from aioload._storage.cache import CacheKey, CacheStats, Counters, check_budget
+from aioload._storage.cache import CacheKey, CacheStats, Counters, check_budget, entries_bytes, hold
 
 __all__ = ["DiskCache"]
 
@@ -97,6 +97,11 @@ class DiskCache:
         self._index: collections.OrderedDict[str, tuple[int, int]] | None = None
         self._n = Counters()
         self._reported = False
+        hold("disk_cache_index", self)
+
+    def held_bytes(self) -> int:
+        """What this process's index of the folder's entries weighs in memory."""
+        return entries_bytes(self._index) if self._pid == os.getpid() else 0
 
     def _own(self) -> None:
         if self._pid != os.getpid():

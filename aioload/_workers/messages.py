@@ -223,6 +223,9 @@ class Done(NamedTuple):
     cpu_s: float | None = None  # the worker's CPU seconds on the task (None: not measured)
     reads: ReadReport | None = None  # None when the worker read nothing itself
     copy: CopyNote | None = None  # an IterableDataset task's: the copy after it
+    # (worker id, ((kind, bytes), ...)): what the worker's caches hold after the task
+    # (aioload._storage.cache.held_bytes); None where it has no cache
+    caches: tuple | None = None
 
 
 class Stopped(NamedTuple):

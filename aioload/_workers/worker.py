@@ -33,6 +33,7 @@ from aioload._workers.messages import (BatchOut, CancelReads, ChunkOut, Done, Dr
 from aioload._base.seeding import capture_streams, restore_streams, sample_seed, seed_everything, seed_worker
 from aioload._handoff import shared as _shared
 from aioload._handoff.shm import Segment, recv_fd, send_fd
+from aioload._storage.cache import held_bytes
 from aioload._workers.fetches import ShardFetches
 from aioload._workers.reads import FailedRead, WorkerReads
 from aioload._workers import stacks as _stacks
@@ -437,6 +438,9 @@ class _Worker:
             reply = reply._replace(cpu_s=time.process_time() - cpu, reads=report)
             if self.cfg.stateful:  # the dataset's state after this task's samples
                 reply = reply._replace(copy=dataset_note(self.id, self.cfg.dataset))
+            held = held_bytes()
+            if held:
+                reply = reply._replace(caches=(self.id, tuple(held.items())))
         return reply
 
     # -- reads in this worker (cfg.read_in_workers) ------------------------------------------
