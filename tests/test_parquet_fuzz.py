@@ -16,12 +16,11 @@ many cases, each its own random stream ``seed-case``), within ``AIOLOAD_FUZZ_SEC
 time (cases past it are left for a longer run); ``AIOLOAD_FUZZ_CASE=n`` runs case ``n`` alone.
 A failure prints the line that replays it.
 
-Known, not fixed here: a footer whose size statistics hold a level histogram of the wrong
-length is accepted by pyarrow's footer parser and read by its reader, but asking pyarrow for
-that column chunk's metadata (``footer.chunk_ranges``) aborts the process
-(``std::terminate``: "Definition level histogram size mismatch"). ``AIOLOAD_FUZZ_SEED=39
-AIOLOAD_FUZZ_CASE=85`` reaches it; the default seed's cases do not, so that this test can run
-in CI until the footer is read without those metadata objects.
+Cases that found a fault are replayed by every run (``FOUND``), whatever the seed: seed 39's
+case 85, a footer whose size statistics hold a level histogram of the wrong length, which
+pyarrow's footer parser accepts and its reader reads, but asking pyarrow for that column
+chunk's metadata ended the process (``std::terminate``: "Definition level histogram size
+mismatch"); the chunks' byte ranges are read with aioload's own Thrift reader since.
 """
 
 from __future__ import annotations
@@ -217,8 +216,8 @@ def check_mode(path: Path, window, groups, clean) -> None:
                 f"row {i} (row group {g}, row {r}), column {k!r}: {row[k]!r} where pyarrow reads {expected[r][k]!r}"
 
 
-def run_case(case: int, base: Path, datasets_file: str, tmp: Path) -> None:
-    rng = random.Random(f"{SEED}-{case}")
+def run_case(case: int, base: Path, datasets_file: str, tmp: Path, seed: int = SEED) -> None:
+    rng = random.Random(f"{seed}-{case}")
     path = tmp / f"case-{case}.parquet"
     if rng.random() < 0.15:
         base = Path(datasets_file)
@@ -255,6 +254,15 @@ def run_case(case: int, base: Path, datasets_file: str, tmp: Path) -> None:
 def datasets_file(image_root, tmp_path_factory):
     samples = image_samples(image_root)[:12]
     return write_datasets(samples, tmp_path_factory.mktemp("fuzz-hf") / "train.parquet", batch_size=5)
+
+
+FOUND = [(39, 85)]
+"""``(seed, case)`` of the cases that found a fault, replayed by every run."""
+
+
+@pytest.mark.parametrize("seed, case", FOUND)
+def test_the_cases_that_found_a_fault_read_as_pyarrow_reads_them(datasets_file, tmp_path, seed, case):
+    run_case(case, tmp_path / "base.parquet", datasets_file, tmp_path, seed=seed)
 
 
 def test_corrupt_files_read_as_pyarrow_reads_them_or_fail_with_a_parquet_error(datasets_file, tmp_path):

@@ -305,7 +305,7 @@ class Parquet(Dataset):
         footer = self._footers[f]
         plan = self._plan(f)
         leaves = self._leaves[f] if plan is None else [i for c in self._group_columns(f) for i in footer.leaves[c]]
-        starts, lengths = _footer.chunk_ranges(self._metadata(f), footer.size, footer.url, g, leaves)
+        starts, lengths = _footer.chunk_ranges(footer, g, leaves)
         return fetch(self.storage, footer.url, ranges(starts, lengths))
 
     def _plan_of(self, index: int, f: int) -> FilePages | None:
@@ -499,8 +499,7 @@ class Parquet(Dataset):
 
             async def one(f: int, g: int) -> Any:
                 footer = self._footers[f]
-                starts, lengths = _footer.chunk_ranges(self._metadata(f), footer.size, footer.url, g,
-                                                       footer.leaves[name])
+                starts, lengths = _footer.chunk_ranges(footer, g, footer.leaves[name])
                 async with slots:
                     chunks = await fetch(self.storage, footer.url, ranges(starts, lengths))
                 return chunks.table(self._metadata(f), footer.size, g, [name]).column(0)

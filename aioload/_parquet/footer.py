@@ -28,6 +28,7 @@ from aioload._shards import probe
 from aioload._storage.storage import Storage
 from aioload._storage.versioned import VersionedFiles, for_each_file
 from aioload._storage.cachedir import cache_dir
+from aioload._parquet.thrift import read_struct
 
 TAIL = 64 << 10
 """Bytes read from a file's end to find its footer: enough for the footers of files with a few
@@ -96,6 +97,26 @@ class Footer:
     def columns(self) -> list[str]:
         return list(self.leaves)
 
+    def chunk_meta(self) -> list:
+        """Each row group's column chunks (Thrift structs, ``{field id: value}``), parsed from
+        ``raw`` once per process (not sent to the workers with the footer)."""
+        groups = self.__dict__.get("_groups")
+        if groups is None:
+            length = int.from_bytes(self.raw[-8:-4], "little")
+            try:
+                meta, _ = read_struct(self.raw[len(self.raw) - 8 - length:len(self.raw) - 8])
+                groups = [group[1] for group in meta[4]]
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                raise ParquetError(f"{self.url}: its footer's row groups cannot be read ({type(exc).__name__}: "
+                                   f"{exc}); the file is corrupt") from None
+            self.__dict__["_groups"] = groups
+        return groups
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_groups", None)
+        return state
+
     @classmethod
     def of(cls, raw: bytes, url: str, size: int) -> "Footer":
         md = parse(raw, url)
@@ -112,18 +133,24 @@ class Footer:
         return cls(url, size, raw, rows, leaves, _features(md))
 
 
-def chunk_ranges(md, size: int, url: str, group: int, leaves) -> tuple[np.ndarray, np.ndarray]:
-    """``(starts, lengths)`` of row group ``group``'s chunks of the leaf columns ``leaves``
-    (``md``: the parsed footer of the file of ``size`` bytes at ``url``)."""
-    rg = md.row_group(group)
+def chunk_ranges(footer: "Footer", group: int, leaves) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, lengths)`` of row group ``group``'s chunks of the leaf columns ``leaves``,
+    read from the footer's Thrift by aioload's own reader (:meth:`Footer.chunk_meta`): pyarrow's
+    accessors end the process (``std::terminate``) on some footers that its reader still reads."""
+    url, size = footer.url, footer.size
     starts = np.zeros(len(leaves), dtype=np.int64)
     lengths = np.zeros(len(leaves), dtype=np.int64)
-    for i, c in enumerate(leaves):
-        col = rg.column(int(c))
-        dictionary = col.dictionary_page_offset if col.has_dictionary_page else None
-        starts[i] = dictionary if dictionary else col.data_page_offset  # 0 also means none
-        lengths[i] = col.total_compressed_size
-    if len(leaves) and (int(starts.min()) < 0 or int((starts + lengths).max()) > size):
+    try:
+        columns = footer.chunk_meta()[group]
+        for i, c in enumerate(leaves):
+            meta = columns[int(c)][3]  # ColumnChunk.meta_data
+            dictionary = meta.get(11)  # dictionary_page_offset, where the chunk has a dictionary page
+            starts[i] = dictionary if dictionary else meta[9]  # else data_page_offset (0 also means none)
+            lengths[i] = meta[7]  # total_compressed_size
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
+        raise ParquetError(f"{url}, row group {group}: the footer does not give its column chunks' byte ranges "
+                           f"({type(exc).__name__}: {exc}); the file is corrupt") from None
+    if len(leaves) and (int(starts.min()) < 0 or int(lengths.min()) < 0 or int((starts + lengths).max()) > size):
         raise ParquetError(f"{url}, row group {group}: a column chunk's byte range runs outside the file's {size} "
                            "bytes: the file is truncated, or was written again since its footer was read")
     return starts, lengths
