@@ -59,14 +59,21 @@ def test_a_parquet_dataset_bounds_its_caches_loader_wide_by_default(tmp_path):
 
 
 @pytest.mark.unit
-def test_what_a_cache_holds_is_counted_in_its_process():
-    from aioload._storage.cache import MemoryCache, held_bytes
+def test_what_a_datasets_caches_hold_is_found_through_its_attributes():
+    from aioload._base.walk import caches_of, held_bytes
+    from aioload._storage.cache import MemoryCache
 
-    cache = MemoryCache(1 << 20)
-    before = held_bytes().get("memory_cache", 0)
-    cache.put("a", b"x" * 100)
-    cache.put("b", b"y" * 28)
-    assert held_bytes()["memory_cache"] - before == 128 == cache.stats().bytes
+    class Holder:
+        def __init__(self):
+            self.storage = aioload.Storage(cache=MemoryCache(1 << 20))
+            self.names = ["x"] * 2000  # a large container: not looked into
+
+    holder = Holder()
+    caches = caches_of(holder)
+    assert caches == [holder.storage.cache]
+    holder.storage.cache.put("a", b"x" * 100)
+    holder.storage.cache.put("b", b"y" * 28)
+    assert held_bytes(caches) == {"memory_cache": 128} and holder.storage.cache.stats().bytes == 128
 
 
 @pytest.mark.parametrize("window", [None, 2])

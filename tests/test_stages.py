@@ -391,11 +391,11 @@ def test_messages_that_arrive_together_are_parsed_from_one_read():
         assert reader.read_available() == MESSAGES
 
 
-def test_done_defaults_its_cpu_seconds_worker_reads_and_copy_note():
+def test_done_defaults_its_cpu_seconds_worker_reads_copy_note_and_caches():
     done = Done(1, RowsOut([], []), [], None, 0, 0.5)
-    assert done._fields[-3:] == ("cpu_s", "reads", "copy")
-    assert done.cpu_s is None and done.reads is None and done.copy is None
-    assert re.fullmatch(r"Done\(task_id=1, .*cpu_s=None, reads=None, copy=None\)", repr(done))
+    assert done._fields[-4:] == ("cpu_s", "reads", "copy", "caches")
+    assert done.cpu_s is None and done.reads is None and done.copy is None and done.caches is None
+    assert re.fullmatch(r"Done\(task_id=1, .*cpu_s=None, reads=None, copy=None, caches=None\)", repr(done))
 
 
 # -- a batch's lease ------------------------------------------------------------------------------

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import threading
 import time
-import types
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from aioload._base.errors import CopyOnReadWarning
+from aioload._base.walk import CONTAINERS, walk
 
 GROWTH_WARNING = 64 * 2**20
 """A worker whose private memory grew by more than this over one epoch, in a loader whose dataset
@@ -36,7 +36,6 @@ WALK_OBJECTS = 2_000
 WALK_DEPTH = 3
 """... down to this many attributes, items or values below the dataset."""
 
-_CONTAINERS = (list, dict, tuple, set, frozenset)
 
 FRESH_S = 5.0
 """``stats()`` starts a new measurement when the last one is older than this: a log line every
@@ -185,54 +184,13 @@ def large_containers(dataset: Any) -> list[tuple[str, str, int]]:
     (``dataset.paths``, ``dataset.meta["files"]``, ``subset.dataset.labels``), largest first.
     Bounded: :data:`WALK_DEPTH` levels, :data:`WALK_OBJECTS` objects; a large container is
     reported, not looked into."""
-    found: list[tuple[str, str, int]] = []
-    seen: set[int] = set()
-    todo: list[tuple[str, Any, int]] = [("dataset", dataset, 0)]
-    while todo and len(seen) < WALK_OBJECTS:
-        path, obj, depth = todo.pop(0)
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, _CONTAINERS):
-            if len(obj) >= LARGE:
-                found.append((path, type(obj).__name__, len(obj)))
-                continue
-            if depth < WALK_DEPTH:
-                todo.extend((f"{path}[{key!r}]", value, depth + 1) for key, value in _items(obj))
-            continue
-        if depth < WALK_DEPTH and not isinstance(obj, type):
-            todo.extend((f"{path}.{name}", value, depth + 1) for name, value in _attributes(obj))
+    def large(obj) -> bool:
+        return isinstance(obj, CONTAINERS) and len(obj) >= LARGE
+
+    found = [(path, type(obj).__name__, len(obj))
+             for path, obj in walk(dataset, "dataset", WALK_DEPTH, WALK_OBJECTS, lambda obj: not large(obj))
+             if large(obj)]
     return sorted(found, key=lambda item: -item[2])
-
-
-def _items(container) -> list[tuple[Any, Any]]:
-    """A small container's values to look into, with the key or position that names each
-    (a set's items are named by position too: they have no key)."""
-    if isinstance(container, dict):
-        pairs = list(container.items())
-    else:
-        pairs = list(enumerate(container))
-    return [(key, value) for key, value in pairs[:WALK_OBJECTS] if _worth(value)]
-
-
-def _attributes(obj) -> list[tuple[str, Any]]:
-    """An object's own attributes (its ``__dict__`` and slots) worth looking into."""
-    names = dict(getattr(obj, "__dict__", None) or {})
-    for cls in type(obj).__mro__:
-        for slot in getattr(cls, "__slots__", ()):
-            if isinstance(slot, str) and slot not in names and hasattr(obj, slot):
-                names[slot] = getattr(obj, slot, None)
-    return [(name, value) for name, value in names.items() if _worth(value)]
-
-
-_LEAVES = (str, bytes, bytearray, memoryview, int, float, complex, type(None), type, types.ModuleType,
-           types.FunctionType, types.BuiltinFunctionType, types.MethodType)
-
-
-def _worth(value) -> bool:
-    """Could ``value`` hold many Python objects? Not a number, string, bytes, module, function
-    or class. (An array or a tensor is looked at, and found to hold no attributes.)"""
-    return not isinstance(value, _LEAVES)
 
 
 def copy_on_read_warning(found: list[tuple[str, str, int]], worker: int, pid: int, growth: int,

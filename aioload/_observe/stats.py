@@ -35,7 +35,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable
 
 from aioload._observe import memory as _memory
-from aioload._storage.cache import held_bytes
+from aioload._base.walk import caches_of, held_bytes
 
 DATA_BOUND = 0.10
 """Waiting at least this share of the steady state makes a loop "data-bound"."""
@@ -799,6 +799,7 @@ class StatsRecorder:
         self._copying: Warning | None = None  # a CopyOnReadWarning for the consumer's thread to give
         # what each worker's caches held after its last task, by worker id: {kind: bytes}
         self._caches: dict[int, dict[str, int]] = {}
+        self._own_caches: list | None = None  # the dataset's caches in this process, once found
         self.reset()
 
     def reset(self) -> None:
@@ -868,7 +869,9 @@ class StatsRecorder:
     def cache_figures(self) -> dict[str, int]:
         """Each kind of cache's bytes: this process's and the workers' last reported."""
         totals = dict.fromkeys(_CACHE_KINDS.values(), 0)
-        for held in [held_bytes(), *list(self._caches.values())]:
+        if self._own_caches is None and self.dataset is not None:
+            self._own_caches = caches_of(self.dataset)
+        for held in [held_bytes(self._own_caches or []), *list(self._caches.values())]:
             for kind, nbytes in held.items():
                 if kind in _CACHE_KINDS:
                     totals[_CACHE_KINDS[kind]] += nbytes

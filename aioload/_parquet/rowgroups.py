@@ -23,7 +23,6 @@ from typing import Any, Awaitable, Callable, Generic, Hashable, Protocol, Suppor
 
 import numpy as np
 
-from aioload._storage.cache import hold
 from aioload._storage.storage import Storage, read_buffer
 
 GAP = 64 << 10
@@ -157,7 +156,7 @@ class RowGroupCache(Generic[T]):
     Pages (:mod:`aioload._parquet.pages`) are kept in one too: any entry with ``nbytes``."""
 
     def __init__(self, max_bytes: SupportsInt, keep: int = 1, kind: str = "parquet_row_groups"):
-        self.max_bytes, self.keep, self.kind = max_bytes, keep, kind
+        self.max_bytes, self.keep, self.cache_kind = max_bytes, keep, kind  # its bytes in loader.stats()
         self._done: OrderedDict[Hashable, T] = OrderedDict()
         self._weight = 0
         self._pending: dict[Hashable, asyncio.Future] = {}
@@ -165,13 +164,12 @@ class RowGroupCache(Generic[T]):
         self._lock = threading.Lock()
         self.fetches = 0
         self.hits = 0
-        hold(kind, self)  # its bytes in loader.stats()
 
     def held_bytes(self) -> int:
         return self._weight
 
     def __getstate__(self):  # a copy (a spawned worker's) starts empty
-        return {"max_bytes": self.max_bytes, "keep": self.keep, "kind": self.kind}
+        return {"max_bytes": self.max_bytes, "keep": self.keep, "kind": self.cache_kind}
 
     def __setstate__(self, state):
         self.__init__(state["max_bytes"], state["keep"], state.get("kind", "parquet_row_groups"))

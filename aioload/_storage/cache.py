@@ -19,7 +19,6 @@ import collections
 import os
 import sys
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Union
 
@@ -90,7 +89,8 @@ class MemoryCache:
         self._items: collections.OrderedDict[CacheKey, bytes] = collections.OrderedDict()
         self._bytes = 0
         self._n = Counters()
-        hold("memory_cache", self)
+
+    cache_kind = "memory_cache"  # its bytes in loader.stats()
 
     def held_bytes(self) -> int:
         return self._bytes if self._pid == os.getpid() else 0
@@ -154,23 +154,6 @@ class MemoryCache:
 
     def __repr__(self) -> str:
         return f"MemoryCache(max_bytes={self.max_bytes}, eviction={self.eviction!r})"
-
-
-# -- what the caches of this process hold ------------------------------------------------------
-
-_HELD: dict[str, weakref.WeakSet] = {}
-
-
-def hold(kind: str, cache) -> None:
-    """Count what ``cache`` holds (its ``held_bytes()``) in this process's :func:`held_bytes`,
-    under ``kind``, for as long as it lives. A worker reports its figures with each task, so
-    ``loader.stats()`` gives each kind's bytes over the loader's processes (``docs/stats.md``)."""
-    _HELD.setdefault(kind, weakref.WeakSet()).add(cache)
-
-
-def held_bytes() -> dict[str, int]:
-    """The bytes each kind of cache holds in this process (kinds with a live cache only)."""
-    return {kind: sum(cache.held_bytes() for cache in list(caches)) for kind, caches in _HELD.items() if caches}
 
 
 def entries_bytes(entries: collections.OrderedDict | None) -> int:

@@ -43,7 +43,7 @@ import time
 import zlib
 from collections.abc import Iterator
 
-from aioload._storage.cache import CacheKey, CacheStats, Counters, check_budget, entries_bytes, hold
+from aioload._storage.cache import CacheKey, CacheStats, Counters, check_budget, entries_bytes
 
 __all__ = ["DiskCache"]
 
@@ -97,7 +97,8 @@ class DiskCache:
         self._index: collections.OrderedDict[str, tuple[int, int]] | None = None
         self._n = Counters()
         self._reported = False
-        hold("disk_cache_index", self)
+
+    cache_kind = "disk_cache_index"  # its bytes in loader.stats()
 
     def held_bytes(self) -> int:
         """What this process's index of the folder's entries weighs in memory."""

@@ -33,7 +33,7 @@ from aioload._workers.messages import (BatchOut, CancelReads, ChunkOut, Done, Dr
 from aioload._base.seeding import capture_streams, restore_streams, sample_seed, seed_everything, seed_worker
 from aioload._handoff import shared as _shared
 from aioload._handoff.shm import Segment, recv_fd, send_fd
-from aioload._storage.cache import held_bytes
+from aioload._base.walk import caches_of, held_bytes
 from aioload._workers.fetches import ShardFetches
 from aioload._workers.reads import FailedRead, WorkerReads
 from aioload._workers import stacks as _stacks
@@ -116,6 +116,7 @@ class _Worker:
         # set by the receiving thread once Shutdown has arrived: the tasks still in the inbox
         # are dropped, not decoded (nobody waits for them: the pool is closing)
         self.stopping = threading.Event()
+        self.caches: list | None = None  # the dataset's caches, whose bytes each reply reports
 
     # -- set-up -------------------------------------------------------------------------
     def start_epoch(self, base_seed: int, per_sample_seeds: bool, epoch: int = 0) -> None:
@@ -438,7 +439,9 @@ class _Worker:
             reply = reply._replace(cpu_s=time.process_time() - cpu, reads=report)
             if self.cfg.stateful:  # the dataset's state after this task's samples
                 reply = reply._replace(copy=dataset_note(self.id, self.cfg.dataset))
-            held = held_bytes()
+            if self.caches is None:  # found once: a dataset makes its caches when it is made
+                self.caches = caches_of(self.cfg.dataset)
+            held = held_bytes(self.caches)
             if held:
                 reply = reply._replace(caches=(self.id, tuple(held.items())))
         return reply
