@@ -642,7 +642,7 @@ def test_unclosed_loader_warns_and_releases_everything_when_collected(make, befo
 
 
 CHILD = textwrap.dedent("""
-    import multiprocessing, os, signal, sys, time
+    import multiprocessing, os, signal, sys, threading, time
     # Ctrl-C raises KeyboardInterrupt here even where the suite runs as a background job, whose
     # children start with SIGINT ignored (and Python then leaves it ignored)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -660,6 +660,22 @@ CHILD = textwrap.dedent("""
         templates = [pool.template.proc.pid for pool in pools if pool.template is not None]
         print(" ".join(map(str, workers)), "|", " ".join(map(str, templates)), flush=True)
 
+    def announce_waiting(loader):
+        # Ctrl-C is sent once the training thread blocks on the batch whose sample hangs: one
+        # that lands while a finalizer runs (a batch freed between steps) is reported by Python
+        # as "Exception ignored" and lost, as any program's would be
+        main = threading.main_thread().ident
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            frame, names = sys._current_frames().get(main), []
+            while frame is not None:
+                names.append(frame.f_code.co_name)
+                frame = frame.f_back
+            if names[:1] == ["wait"] and "__next__" in names:
+                break
+            time.sleep(0.01)
+        announce([loader])
+
     def train(loader):
         for epoch in range(1000):
             for step, batch in enumerate(loader):
@@ -669,6 +685,8 @@ CHILD = textwrap.dedent("""
                         kept.append(iter(other))  # an epoch running: its pool stays
                         next(kept[-1])
                         announce([loader, other])
+                    elif mode == "waiting":  # once the consumer waits for the stuck batch
+                        threading.Thread(target=announce_waiting, args=(loader,), daemon=True).start()
                     else:
                         announce([loader])
                 if mode == "exit" and step == 2:
