@@ -43,8 +43,10 @@ def warm():
 
 @pytest.fixture
 def low_threshold(monkeypatch):
-    """A worker growing past 2 MB over an epoch counts (300,000 strings copy about 20 MB)."""
+    """A worker growing past 2 MB over an epoch counts (300,000 strings copy about 20 MB), and
+    an epoch is measured from its first batch however short it is."""
     monkeypatch.setattr(_memory, "GROWTH_WARNING", 2 * 2**20)
+    monkeypatch.setattr(_memory, "OPEN_AFTER_S", 0.0)
 
 
 def one_epoch(dataset) -> aioload.LoaderStats:
@@ -116,3 +118,23 @@ def test_the_walk_names_large_containers_through_attributes_and_small_containers
     found = _memory.large_containers(torch.utils.data.Subset(Dataset(), [0, 1]))
     assert found == [("dataset.dataset.meta['files']", "dict", _memory.LARGE + 5),
                      ("dataset.dataset.holder.rows", "list", _memory.LARGE)]
+
+
+def test_a_short_epoch_costs_the_training_process_no_memory_measurement():
+    """An epoch shorter than ``OPEN_AFTER_S`` is not measured (one-second epochs measured each
+    cost ``aioload bench`` twice torch's main-process CPU per image); ``stats()`` still is."""
+    with aioload.DataLoader(list(range(64)), batch_size=8, num_workers=2, persistent_workers=True) as loader:
+        for _ in range(3):
+            assert len(list(loader)) == 8
+        window = loader._stats._memory
+        assert window._spent == 0.0 and window._measured_at is None
+        stats = loader.stats()
+    assert stats.process_pss_bytes > 0 and len(stats.worker_pss_bytes) == 2
+
+
+@pytest.mark.unit
+def test_measurements_stop_once_they_took_their_share_of_the_time():
+    window = _memory.MemoryWindow(list)
+    assert window.affordable()
+    window._spent = 1.0  # a second of measuring in a loader a moment old: past 1 %
+    assert not window.affordable()

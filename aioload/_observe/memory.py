@@ -37,6 +37,16 @@ WALK_DEPTH = 3
 """... down to this many attributes, items or values below the dataset."""
 
 
+OPEN_AFTER_S = 1.0
+"""An epoch's baseline is taken at the first batch this long into it or later: an epoch shorter
+than this is not measured (its copy-on-read, a few MB at most, is not worth its measurement)."""
+
+BUDGET = 0.01
+"""An epoch is measured only while the measurements so far took at most this share of the time
+since the loader began: ``aioload bench``'s one-second epochs cost the training process 0.05 ms
+an image when every epoch was measured (twice torch's main-process CPU), and a long run is
+measured about once every ten seconds of its time at least."""
+
 FRESH_S = 5.0
 """``stats()`` starts a new measurement when the last one is older than this: a log line every
 10 ms (``log_every=0.01``) must not walk every process's page tables each time."""
@@ -78,7 +88,8 @@ class WorkerMemory:
 
 
 class MemoryWindow:
-    """Each process's memory, measured at each epoch's first batch (:meth:`open`, on a thread of
+    """Each process's memory, measured at an epoch's first batch :data:`OPEN_AFTER_S` into it
+    while the measurements cost at most :data:`BUDGET` of the time (:meth:`open`, on a thread of
     its own), at its end (:meth:`close`, the workers only, in the caller's thread: the
     copy-on-read warning is given there) and, on a thread of its own, when statistics are asked
     and the last measurement is older than :data:`FRESH_S` (:meth:`figures`). Reading
@@ -95,17 +106,25 @@ class MemoryWindow:
         self._measured_at: float | None = None
         self._lock = threading.Lock()  # one measurement at a time
         self._thread: threading.Thread | None = None
+        self._born = time.monotonic()
+        self._spent = 0.0  # seconds the measurements took (BUDGET)
+
+    def affordable(self) -> bool:
+        """Whether the measurements so far took at most :data:`BUDGET` of the loader's time."""
+        return self._spent <= BUDGET * (time.monotonic() - self._born)
 
     def measure(self, process: bool = False) -> list[WorkerMemory | None]:
         """Measure every worker now (and this process, with ``process``); a worker replaced by
         another pid starts afresh."""
         with self._lock:
+            started = time.monotonic()
             known = self._measure()
             if process:
                 found = rollup()
                 self.process_pss = found.pss if found is not None else 0
                 self.process_peak = max(self.process_peak, self.process_pss)
                 self._measured_at = time.monotonic()
+            self._spent += time.monotonic() - started
             return known
 
     def _measure(self) -> list[WorkerMemory | None]:
@@ -148,8 +167,11 @@ class MemoryWindow:
                 memory.base = memory.private
 
     def close(self) -> int:
-        """The epoch ended: each worker's growth since :meth:`open`; the largest, in bytes."""
+        """The epoch ended: each worker's growth since :meth:`open`; the largest, in bytes (0,
+        measuring nothing, where the epoch had no baseline)."""
         self._join()
+        if not any(memory is not None and memory.base is not None for memory in self.known):
+            return 0
         largest = 0
         for memory in self.measure():
             if memory is not None and memory.base is not None:

@@ -205,7 +205,7 @@ class LoaderStats:
         GAUGE, "each running worker's proportional set size as last measured, by worker id", "bytes",
         "memory"))
     worker_peak_pss_bytes: tuple = field(default=(), metadata=_stat(
-        GAUGE, "each worker's highest PSS measured (at each epoch's first batch and end, and by `stats()`)",
+        GAUGE, "each worker's highest PSS measured (in an epoch measured for copy-on-read, and by `stats()`)",
         "bytes", "memory"))
     worker_private_bytes: tuple = field(default=(), metadata=_stat(
         GAUGE, "each worker's private memory as last measured (USS: pages no other process maps)", "bytes",
@@ -817,6 +817,7 @@ class StatsRecorder:
             self._epoch_start: float | None = None
             self._epoch_last = 0.0
             self._first_pending = False
+            self._memory_opened = False  # the epoch's memory baseline taken (memory.OPEN_AFTER_S)
 
     # -- engine thread (one writer, no lock) ------------------------------------------------
     def skip(self, indices) -> None:
@@ -914,6 +915,7 @@ class StatsRecorder:
             self.epochs += 1
             self._epoch_start = self._epoch_last = now
             self._first_pending = True
+            self._memory_opened = False
             self._cpu.open()
         self._warn_copying()
 
@@ -925,9 +927,13 @@ class StatsRecorder:
                 self._epoch_start = now - waited
                 self.epochs += 1
                 self._first_pending = True
+                self._memory_opened = False
                 self._cpu.open()
             if self._first_pending:
                 self.first_batch_samples += samples
+            if (not self._memory_opened and now - self._epoch_start >= _memory.OPEN_AFTER_S
+                    and self._memory.affordable()):
+                self._memory_opened = True
                 self._memory.open()  # each worker's private memory from here to the epoch's end
             self._account_wait(now, waited)
             self.batches += 1
