@@ -472,7 +472,7 @@ class _Worker:
                     self.fetches.start(msg)
                     continue
                 reading = None
-                if isinstance(msg, Shutdown):  # an epoch left early: the queued tasks go undone
+                if isinstance(msg, Shutdown):  # the pool is closing (an epoch left early, close()): no queued task runs
                     self.stopping.set()
                     if self.reads is not None:
                         self.reads.cancel()
