@@ -14,7 +14,7 @@ import torch
 import aioload
 from aioload._plan.resume import ResumeWarning
 from aioload._plan.stateful import FastForwardWarning
-from tests.stateful_data import Counted, Epoched, RandomWalk, Uneven, identity
+from tests.stateful_data import Counted, Epoched, RandomWalk, Uneven, identity, worker_slice
 
 SIZES = [0, 100, 37]  # uneven, one worker empty
 
@@ -190,6 +190,108 @@ def test_the_state_is_checked_at_load():
         with pytest.raises(ValueError, match=r"^cannot load this state: stateful.workers.worker_2.worker_id must "
                                              r"be 2, got 7; pass what loader.state_dict\(\) returned$"):
             loader.load_state_dict(state)
+
+
+TURNS = [9, 4, 0, 13]  # in batches of 2: workers run out after 5, 2, 0 and 7 batches (two partial)
+
+
+def test_every_state_of_an_epoch_in_turn_resumes_exactly_and_says_so():
+    # next_worker is cross-checked against taken where the batches came in turn: no real state
+    # may be refused by that, at any step (workers running out at different points included)
+    def factory():
+        return make(Counted(TURNS), num_workers=4, batch_size=2)
+
+    with factory() as loader:
+        full = list(loader)
+    assert len(full) == 14
+    for k in range(len(full) + 1):
+        head, state = interrupted(factory, k)
+        assert k == 0 or state["stateful"]["in_order"] is True
+        assert head + resumed(factory, state) == full, k
+
+
+def test_a_next_worker_that_is_not_the_turn_taken_says_is_refused():
+    def factory():
+        return make(Counted(TURNS), num_workers=4, batch_size=2)
+
+    _, state = interrupted(factory, 6)  # rounds 0 1 3 | 0 1 3: worker 2 ran out with nothing
+    assert state["stateful"]["taken"] == [4, 4, 0, 4] and state["stateful"]["next_worker"] == 0
+    swapped = dict(state, stateful=dict(state["stateful"], next_worker=1))
+    with factory() as loader:
+        with pytest.raises(ValueError, match=r"stateful.next_worker must be 0 \(in_order=True: the workers "
+                                             r"delivered in turn, and stateful.taken \[4, 4, 0, 4\] in batches of 2 "
+                                             r"says whose turn is next\), got 1"):
+            loader.load_state_dict(swapped)
+    _, state = interrupted(factory, 7)
+    assert state["stateful"]["taken"] == [6, 4, 0, 4] and state["stateful"]["next_worker"] == 1
+    for nxt in (0, 2, 3):
+        with factory() as loader, pytest.raises(ValueError, match=rf"stateful.next_worker must be 1 .*, got {nxt};"):
+            loader.load_state_dict(dict(state, stateful=dict(state["stateful"], next_worker=nxt)))
+    added = dict(state, stateful=dict(state["stateful"], taken=[6, 4, 0, 6]))  # a batch added to worker 3
+    with factory() as loader, pytest.raises(ValueError, match=r"stateful.taken must count the batches of workers "
+                                                              r"that delivered in turn"):
+        loader.load_state_dict(added)
+
+
+def test_states_whose_batches_came_out_of_turn_are_not_cross_checked():
+    def factory(in_order=True):
+        return make(Counted(TURNS), num_workers=4, batch_size=2, in_order=in_order)
+
+    with factory() as loader:
+        full = list(loader)
+    head, state = interrupted(lambda: factory(False), 7)
+    assert state["stateful"]["in_order"] is False
+    nxt = state["stateful"]["next_worker"]
+    state["stateful"]["next_worker"] = (nxt + 1) % 4  # any worker may have delivered last
+    with factory(False) as loader:
+        loader.load_state_dict(state)
+        rest = list(loader)
+    assert sorted(map(repr, head + rest)) == sorted(map(repr, full))  # every item once, in some order
+    # a state saved before the field existed loads as it did
+    head, state = interrupted(factory, 7)
+    del state["stateful"]["in_order"]
+    assert head + resumed(factory, state) == full
+
+
+class Hiccup(torch.utils.data.IterableDataset):
+    """Worker ``w`` yields ``sizes[w]`` ints; worker 1's third item raises once, and its
+    iterator goes on after it."""
+
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def __iter__(self):
+        return _HiccupIter(worker_slice(self.sizes), torch.utils.data.get_worker_info().id)
+
+
+class _HiccupIter:
+    def __init__(self, items, wid):
+        self.items, self.wid, self.at = items, wid, 0
+
+    def __next__(self):
+        if self.at >= len(self.items):
+            raise StopIteration
+        self.at += 1
+        if self.wid == 1 and self.at == 3:
+            raise ValueError("a bad record")
+        return self.items[self.at - 1]
+
+
+def test_a_batch_lost_to_an_error_ends_the_cross_check_for_that_epoch():
+    with make(Hiccup([6, 6, 6]), num_workers=3, batch_size=2) as loader:
+        it = iter(loader)
+        got, errors = [], 0
+        while len(got) < 5:
+            try:
+                got.append(next(it))
+            except ValueError:
+                errors += 1
+        state = loader.state_dict()
+        del it
+    assert errors == 1  # worker 1's second batch: its turn passed with nothing counted
+    assert state["stateful"]["in_order"] is False
+    with make(Hiccup([6, 6, 6]), num_workers=3, batch_size=2) as loader:
+        loader.load_state_dict(state)  # accepted: the turns no longer follow from taken
 
 
 class Numbers(torch.utils.data.Dataset):

@@ -98,7 +98,7 @@ class IterableStage:
                 except Exception as exc:  # noqa: BLE001 - this batch fails, the epoch goes on
                     if self.session.pool.broken is not None:
                         raise
-                    item = Failure(exc)
+                    item = Failure(exc, note=(wid, None))  # its turn passed: the copies' state says so
             lease.deliver(item)
         finally:
             lease.close()

@@ -165,12 +165,15 @@ class EndStreams:
 
 
 class Failure:
-    """A batch that could not be made; the consumer raises ``exc`` in its place."""
+    """A batch that could not be made; the consumer raises ``exc`` in its place. ``note``: an
+    IterableDataset's ``(worker id, None)``, the turn of that worker's copy that the batch used
+    (see :class:`aioload._plan.stateful.Copies`)."""
 
-    __slots__ = ("exc",)
+    __slots__ = ("exc", "note")
 
-    def __init__(self, exc: BaseException):
+    def __init__(self, exc: BaseException, note=None):
         self.exc = exc
+        self.note = note
 
 
 @dataclass

@@ -511,6 +511,7 @@ class DataLoader(Generic[_T_co]):
         # exactly as torch does, and no per-sample cost is paid.
         per_sample = not self._iterable and self.seed is not None
         lazy = self.num_workers == 0 and not self._split and self.executor is None  # InProcessIterator pulls
+        self._planner.in_order = self.in_order
         plan, self._progress = self._planner.plan(epoch, resume, per_sample, lazy=lazy, streams=self._keeps_streams())
         return plan
 

@@ -329,6 +329,7 @@ class Planner:
         self.seed = seed
         self.seed_generator = seed_generator
         self.iterable = iterable
+        self.in_order = True  # the loader's: whether its batches come in their workers' turn (set before plan())
         self._kept_base: tuple[int, int] | None = None  # (epoch, base seed) drawn for persistent workers
         self.last_copies: _stateful.Copies | None = None  # an IterableDataset's, from its last epoch
         self.sampler_start: Any = None  # a Stateful sampler's state at the start of the epoch in progress
@@ -444,7 +445,7 @@ class Planner:
             plan.copies, plan.first_worker, copies = _stateful.resume_plan(
                 entry, progress is not None, t.num_workers, epoch, 1 if ranks is None else ranks[1],
                 iterable=self.iterable, carry=t.persistent_workers or t.num_workers == 0,
-                buffered=self.iterable and _stateful.drops_buffered_rows(t.dataset))
+                buffered=self.iterable and _stateful.drops_buffered_rows(t.dataset), in_order=self.in_order)
             self.last_copies = copies
             if early and self.iterable and plan.copies:  # its state is loaded already (above)
                 first = plan.copies[0]

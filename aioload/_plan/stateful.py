@@ -14,8 +14,16 @@ The state's ``"stateful"`` entry (a key of the state beside ``progress``)::
      "world_size": 1,                   # torch.distributed's ranks (1 outside it)
      "next_worker": 1,                  # the worker the epoch's next batch comes from
      "taken": [0, 40, 39],              # items each copy delivered in the epoch
+     "in_order": True,                  # the epoch's batches came in turn (optional; see below)
      "workers": {"worker_0": {"worker_id": 0, "dataset_state": ..., "fetcher_state":
                               {"dataset_iter_state": ..., "fetcher_ended": True}}, ...}}
+
+``in_order`` is true where the epoch's batches reached the training loop in their workers' turn
+(``in_order=True``, no batch lost to an error): then ``taken`` fixes ``next_worker`` (the
+workers still running delivered the same number of batches, one more for those before
+``next_worker``), and a state whose ``next_worker`` does not match is refused. It is false
+where any worker may have delivered last, and absent in states that predate it (and in one
+converted from torchdata's), which are not cross-checked.
 
 A map-style dataset that is Stateful has the same entry, of which only each worker's
 ``dataset_state`` is used: the state after the last delivered batch that worker made (torch's
@@ -69,19 +77,24 @@ class Copies:
     """The copies of an IterableDataset in the epoch in progress, as of the last batch the
     consumer received (``num_workers=0``: the one copy in this process)."""
 
-    def __init__(self, num_workers: int, world_size: int = 1):
+    def __init__(self, num_workers: int, world_size: int = 1, in_order: bool | None = True):
         n = max(1, num_workers)
         self.num_workers = num_workers
         self.world_size = world_size
+        # whether the batches so far came in their workers' turn (None: not known, a state
+        # without the field resumed): the batches of ``in_order=True`` do, until one is lost
+        self.in_order = in_order
         self.records: list[dict | None] = [None] * n  # each copy's last Stateful record
         self.taken = [0] * n
         self.ended = [False] * n
         self.last: int | None = None  # the worker of the last batch delivered
 
     @classmethod
-    def resumed(cls, entry: dict, fresh: bool) -> "Copies":
-        """The copies as ``entry`` saved them (``fresh``: a new epoch after it)."""
-        copies = cls(entry["num_workers"], entry["world_size"])
+    def resumed(cls, entry: dict, fresh: bool, in_order: bool | None = True) -> "Copies":
+        """The copies as ``entry`` saved them (``fresh``: a new epoch after it), for a loader
+        with ``in_order``: the batches of its epoch go on in turn where the saved ones came so."""
+        kept = in_order if fresh else (in_order and entry.get("in_order"))
+        copies = cls(entry["num_workers"], entry["world_size"], kept)
         for wid in range(len(copies.records)):
             record = entry["workers"][f"worker_{wid}"]
             copies.records[wid] = record if _has_state(record) else None
@@ -98,7 +111,11 @@ class Copies:
         for wid, note in notes:
             self.note(wid, note)
 
-    def note(self, wid: int, note: CopyNote) -> None:
+    def note(self, wid: int, note: CopyNote | None) -> None:
+        if note is None:  # a batch of worker ``wid`` lost to an error: its turn passed uncounted
+            if self.in_order:
+                self.in_order = False
+            return
         self.taken[wid] += note.taken
         self.ended[wid] = note.ended
         if note.record is not None:
@@ -123,8 +140,12 @@ class Copies:
             elif record["fetcher_state"]["fetcher_ended"] != self.ended[wid]:
                 record = dict(record, fetcher_state=dict(record["fetcher_state"], fetcher_ended=self.ended[wid]))
             workers[f"worker_{wid}"] = record
-        return {"num_workers": self.num_workers, "world_size": self.world_size, "next_worker": 0 if self.last is None else (self.last + 1) % n,
-                "taken": list(self.taken), "workers": workers}
+        entry = {"num_workers": self.num_workers, "world_size": self.world_size,
+                 "next_worker": 0 if self.last is None else (self.last + 1) % n, "taken": list(self.taken),
+                 "workers": workers}
+        if self.in_order is not None:
+            entry["in_order"] = self.in_order
+        return entry
 
 
 def initial_entry(dataset_state, num_workers: int, world_size: int) -> dict:
@@ -132,17 +153,20 @@ def initial_entry(dataset_state, num_workers: int, world_size: int) -> dict:
     n = max(1, num_workers)
     workers = {f"worker_{w}": dict(bare(w, False), dataset_state=dataset_state) for w in range(n)}
     return {"num_workers": num_workers, "world_size": world_size, "next_worker": 0, "taken": [0] * n,
-            "workers": workers}
+            "workers": workers, "in_order": True}
 
 
 def resume_plan(entry: dict | None, mid_epoch: bool, num_workers: int, epoch: int, world_size: int = 1,
-                iterable: bool = True, carry: bool = True, buffered: bool = False):
+                iterable: bool = True, carry: bool = True, buffered: bool = False, in_order: bool = True):
     """What a resumed iterable epoch starts from: ``(copies, first worker, Copies)`` where
     ``copies`` is one :class:`~aioload._workers.messages.ResumeCopy` (or ``None``) per worker,
     or ``(None, 0, Copies(num_workers))`` where nothing applies. Warns where the epoch cannot
     resume exactly (another number of workers). ``buffered``: the dataset has a state that drops
-    its shuffle buffer's rows (:func:`drops_buffered_rows`), which the fast-forward warning says."""
-    fresh = Copies(num_workers, world_size)
+    its shuffle buffer's rows (:func:`drops_buffered_rows`), which the fast-forward warning says.
+    ``in_order``: the loader's (whether its batches come in their workers' turn; a map-style
+    dataset's batches resume from the plan, whatever worker made them, so it is not recorded)."""
+    in_order = in_order if iterable else None
+    fresh = Copies(num_workers, world_size, in_order)
     if entry is None or (not mid_epoch and not carry):
         # between epochs, the copies' states carry over only where the copies do: persistent
         # workers, or the dataset itself in process (torch gives fresh workers fresh copies)
@@ -167,7 +191,7 @@ def resume_plan(entry: dict | None, mid_epoch: bool, num_workers: int, epoch: in
                 "continue where it was", ResumeWarning, stacklevel=5)
         return None, 0, fresh
     warn_fast_forward(entry, mid_epoch, epoch, buffered)
-    copies = Copies.resumed(entry, fresh=not mid_epoch)
+    copies = Copies.resumed(entry, fresh=not mid_epoch, in_order=in_order)
     sent = []
     for wid in range(len(copies.records)):
         record = entry["workers"][f"worker_{wid}"]
@@ -188,8 +212,8 @@ def _map_plan(entry: dict, mid_epoch: bool, num_workers: int, world_size: int):
             f"{entry['world_size']} rank(s), is not given back to this loader's num_workers={num_workers} on "
             f"{world_size} rank(s): its batches resume exactly, but what the dataset draws from its state "
             "(a random state, say) starts afresh", ResumeWarning, stacklevel=5)
-        return None, 0, Copies(num_workers, world_size)
-    copies = Copies.resumed(entry, fresh=not mid_epoch)
+        return None, 0, Copies(num_workers, world_size, None)
+    copies = Copies.resumed(entry, fresh=not mid_epoch, in_order=None)
     sent = tuple(ResumeCopy(entry["workers"][f"worker_{w}"], 0, not mid_epoch) for w in range(len(copies.records)))
     return sent, 0, copies
 
@@ -249,8 +273,11 @@ def check(entry, iterable: bool, batch_size: int | None = None) -> dict | None:
     if not isinstance(entry, dict):
         raise _fail("stateful", f"must be a dict, got {type(entry).__name__}")
     wanted = {"num_workers", "world_size", "next_worker", "taken", "workers"}
-    if set(entry) != wanted:
-        raise _fail("stateful", f"must have the keys {sorted(wanted)}, got {sorted(map(str, entry))}")
+    if not wanted <= set(entry) <= wanted | {"in_order"}:
+        raise _fail("stateful", f"must have the keys {sorted(wanted)} (and 'in_order' in a state saved by "
+                                f"this version), got {sorted(map(str, entry))}")
+    if "in_order" in entry and not isinstance(entry["in_order"], bool):
+        raise _fail("stateful.in_order", f"must be a bool, got {reprlib.repr(entry['in_order'])}")
     workers = _count(entry["num_workers"], "stateful.num_workers")
     if _count(entry["world_size"], "stateful.world_size") < 1:
         raise _fail("stateful.world_size", "must be an int >= 1, got 0")
@@ -278,14 +305,48 @@ def _check_position(entry: dict, batch_size: int | None) -> None:
     """``taken`` against the batches it counts: a copy's items come in batches of
     ``batch_size``, and only the batch that ran it out may be partial, so a copy still running
     has taken a whole number of batches (an edit that adds a few items to ``taken`` would drop
-    them on resume). ``next_worker`` is not cross-checked: out of order (``in_order=False``),
-    which a state does not record, any worker may have delivered last."""
+    them on resume). Where the batches came in turn (``in_order``), ``next_worker`` against
+    ``taken`` (:func:`_check_turn`)."""
     if batch_size is None:
         return
     for w, taken in enumerate(entry["taken"]):
         if taken % batch_size and not entry["workers"][f"worker_{w}"]["fetcher_state"]["fetcher_ended"]:
             raise _fail(f"stateful.taken[{w}]", f"must be a whole number of batches of {batch_size} (worker {w} has "
                                                 f"not run out), got {taken}")
+    if entry.get("in_order"):
+        _check_turn(entry, batch_size)
+
+
+def _check_turn(entry: dict, batch_size: int) -> None:
+    """Batches delivered in turn: worker 0, 1, ... round and round, skipping the copies that
+    ran out, from the epoch's start (a resumed epoch goes on from ``next_worker``). So the
+    copies still running delivered ``m + 1`` batches each below ``next_worker`` and ``m`` from
+    it on; a copy that ran out stopped where it did. An edited ``next_worker`` (or a batch added
+    to one copy's ``taken``) would reorder the resumed epoch: refused, naming the turns that fit.
+    Linear in the workers."""
+    counts = [(w, taken // batch_size) for w, taken in enumerate(entry["taken"])
+              if not entry["workers"][f"worker_{w}"]["fetcher_state"]["fetcher_ended"]]
+    if not counts:
+        return
+    n, nxt = len(entry["taken"]), entry["next_worker"]
+    top = counts[0][1]
+    drop = next((i for i, (_, c) in enumerate(counts) if c != top), len(counts))
+    rest = {c for _, c in counts[drop:]}
+    if rest and rest != {top - 1}:
+        raise _fail("stateful.taken", f"must count the batches of workers that delivered in turn (in_order=True): "
+                                      f"the workers still running delivered the same number of batches, one more for "
+                                      f"those before next_worker, got {reprlib.repr(list(entry['taken']))} "
+                                      f"in batches of {batch_size}")
+    if rest:  # after the last worker with `top` batches, up to the first with one fewer
+        fits = range(counts[drop - 1][0] + 1, counts[drop][0] + 1)
+    else:  # every running copy delivered as many: the turn is at a round's start
+        fits = [w for w in range(n) if w <= counts[0][0] or w > counts[-1][0]]
+    if nxt not in fits:
+        shown = (f"in [{fits.start}, {fits.stop - 1}]" if isinstance(fits, range) and len(fits) > 1
+                 else " or ".join(map(str, fits)) if len(fits) <= 4 else f"one of {reprlib.repr(list(fits))}")
+        raise _fail("stateful.next_worker", f"must be {shown} (in_order=True: the workers delivered in turn, and "
+                                            f"stateful.taken {reprlib.repr(list(entry['taken']))} in batches of "
+                                            f"{batch_size} says whose turn is next), got {nxt}")
 
 
 def _check_record(record, path: str, wid: int) -> None:
