@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
 from aioload._plan.deal import Deal
+from aioload._plan import elastic
 from aioload._plan.elastic import Segment, remainder, rest_of_epoch
 from aioload._base.seeding import derive_seed
 from tests.test_unit_sampling import make_planner, ranks  # noqa: F401 - ranks is a fixture
@@ -219,9 +221,11 @@ def test_a_world_larger_than_the_sequence_is_computed_as_one_rank_a_position(kin
     assert remainder(20, Deal(2**31 - 1, 4, drop_last=True, kind=kind), Segment(2**31 - 1, 0)).tolist() == []
 
 
-def test_remainder_is_what_each_ranks_positions_leave():
+@pytest.mark.parametrize("blocks_as", ["runs", "marks"])
+def test_remainder_is_what_each_ranks_positions_leave(blocks_as, monkeypatch):
     """Against the ranks one by one (Deal.positions): dealt into a batch, and no slot of the
-    position delivered."""
+    position delivered. Ranks holding blocks are computed as runs of slots or slot by slot."""
+    monkeypatch.setattr(elastic, "_RANK_RUNS", 10**9 if blocks_as == "runs" else 0)
     cases = [(length, Deal(world, batch, drop_last, kind), Segment(world, low, above))
              for length in (0, 1, 7, 23) for world in (1, 3, 8, 30) for batch in (1, 2, 5)
              for drop_last in (False, True) for kind in ("stride", "blocks") for low, above in ((0, ()), (1, (2,)))]
@@ -241,6 +245,81 @@ def test_rest_of_epoch_applies_segments_in_turn():
     rest = rest_of_epoch(12, [Segment(4, 1), Segment(2, 2)], deal_for)
     # 4 ranks deliver positions 0-3; the rest (4..11) on 2 ranks: rank 0 4 6 8 10, rank 1 5 7 9 11
     assert rest.tolist() == [8, 9, 10, 11]
+
+
+def _reference_rest(length, segments, deal_for):
+    """Segments applied one by one over every rank's places (Deal.positions), position by position."""
+    rest = list(range(length))
+    for segment in segments:
+        deal = deal_for(segment.world_size)
+        n, kept = len(rest), deal.kept(len(rest))
+        dealt, seen = set(), set()
+        for rank in range(min(deal.world_size, max(n, 1))):
+            for place, position in enumerate(deal.positions(n, rank).tolist()[:kept]):
+                dealt.add(position)
+                if place // deal.batch_size < segment.low or place // deal.batch_size in segment.above:
+                    seen.add(position)
+        rest = [rest[i] for i in sorted(dealt - seen)]
+    return rest
+
+
+@pytest.mark.parametrize("rest_as", ["pieces", "positions"])
+@pytest.mark.parametrize("kind", ["stride", "blocks"])
+def test_segments_applied_as_pieces_leave_what_each_ranks_positions_leave(kind, rest_as, monkeypatch):
+    # what is left kept as pieces throughout, or as positions from the start
+    monkeypatch.setattr(elastic, "_PIECE_COST", 0 if rest_as == "pieces" else 10**9)
+    rng = np.random.default_rng(32)
+    for case in range(300):
+        length = int(rng.integers(0, 120))
+        batch, drop_last = int(rng.integers(1, 5)), bool(rng.integers(2))
+        deal_for = lambda w: Deal(w, batch, drop_last, kind)  # noqa: E731, B023
+        segments, left = [], length
+        for _ in range(int(rng.integers(1, 6))):
+            world = int(rng.integers(1, 9))
+            batches = deal_for(world).batches(left)
+            if batches == 0:
+                break
+            low = int(rng.integers(0, batches))
+            above = tuple(sorted(set(rng.integers(low + 1, batches + 1, size=int(rng.integers(0, 3))).tolist())
+                                 - {batches}))
+            if not low and not above:
+                low = 1
+            segments.append(Segment(world, low, above))
+            left = len(_reference_rest(length, segments, deal_for))
+        got = rest_of_epoch(length, segments, deal_for).tolist()
+        assert got == _reference_rest(length, segments, deal_for), (case, length, batch, drop_last, segments)
+
+
+def test_thousands_of_segments_are_applied_as_pieces():
+    # each part of the epoch delivered one batch of one sample per rank: the first `world`
+    # positions of what was left (the padding repeats them), so what is left is a tail
+    worlds = [2 + i % 3 for i in range(5000)]
+    segments = [Segment(w, 1) for w in worlds]
+    rest = rest_of_epoch(100_000, segments, lambda w: Deal(w, 1))
+    assert torch.equal(rest, torch.arange(sum(worlds), 100_000))
+
+
+def test_a_state_cutting_the_rest_into_too_many_pieces_is_refused(ranks, monkeypatch):
+    # ranks holding blocks of 2 deliver one sample each: the rest is every other position, 24
+    # pieces; the budget (lowered here to one for each of the 48 positions) is passed by the parts after
+    ranks(0, 24)
+    planner = make_planner(LENGTH, 1, shuffle=True, seed=5, dataset=Blocks(LENGTH))
+    plan, progress = planner.plan(0, None, False)
+    progress.delivered.add(0)
+    state = planner.state_dict(1, progress)
+    state["progress"]["segments"] = [[24, 1, []]] + [[1, 1, []]] * 20
+    state["progress"]["delivered"] = {"below": 0, "also": []}
+    monkeypatch.setattr(elastic, "WORK_MAX", 0)
+    monkeypatch.setattr(elastic, "WORK_PER_POSITION", 1)
+    ranks(0, 2)
+    fresh = make_planner(LENGTH, 1, shuffle=True, seed=5, dataset=Blocks(LENGTH))
+    with pytest.raises(ValueError, match=r"progress.segments\[\d+\] cuts what is left of epoch 0 more finely than "
+                                         r"a run resumed on other numbers of ranks does \([\d,]+ pieces and "
+                                         r"positions handled, past a budget of 48\)"):
+        fresh.load(state)
+    monkeypatch.undo()
+    plan, _ = fresh.plan(0, fresh.load(state), False)  # within the real budget it loads
+    assert len(list(plan.batches)) == 2  # 24 - 20 samples left, over 2 ranks
 
 
 class Stream(torch.utils.data.IterableDataset):

@@ -28,7 +28,7 @@ from aioload._plan import stateful as _stateful
 from aioload._engine.ready import Delivered
 from aioload._engine.spec import EndStreams, Plan
 from aioload._plan.deal import Deal
-from aioload._plan.elastic import Segment, remainder, rest_of_epoch
+from aioload._plan.elastic import Segment, TooManyPieces, rest_of_epoch, rest_runs
 from aioload._mix.tally import SourceTally
 from aioload._mix.weights import with_change
 from aioload._plan.order import STRIDE, deal_of, epoch_order, has_own_order
@@ -551,10 +551,19 @@ class Planner:
         if progress["order_seed"] is None:
             return  # refused by _elastic() with the reason
         length = self._shards().order(progress["order_seed"], resume["epoch"]).numel()
-        rest = length  # what the parts before left of the epoch: each part is checked in one step
-        for i, (world, below, also) in enumerate(progress["segments"]):
-            _resume.check_position(f"progress.segments[{i}]", below, also, self._deal(world).batches(rest), world)
-            rest = remainder(rest, self._deal(world), Segment(world, below, also)).numel()
+
+        def check(i: int, segment: Segment, left: int) -> None:  # left: what the parts before left
+            _resume.check_position(f"progress.segments[{i}]", segment.low, segment.above,
+                                   self._deal(segment.world_size).batches(left), segment.world_size)
+
+        segments = [Segment(world, below, tuple(also)) for world, below, also in progress["segments"]]
+        try:
+            runs = rest_runs(length, segments, self._deal, check)
+        except TooManyPieces as exc:
+            raise _resume._fail(f"progress.segments[{exc.index}]", (
+                f"cuts what is left of epoch {resume['epoch']} more finely than a run resumed on other numbers of "
+                f"ranks does ({exc.work:,} pieces and positions handled, past a budget of {exc.budget:,})")) from None
+        rest = int((runs[1] - runs[0]).sum())
         delivered = progress["delivered"]
         _resume.check_position("progress.delivered", delivered["below"], delivered["also"],
                                self._deal(saved).batches(rest), saved)
