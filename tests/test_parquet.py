@@ -192,11 +192,18 @@ def test_a_missing_column_names_the_file_and_its_columns(files):
         aioload.Parquet(files, columns=["key", "caption"])
 
 
-def corrupt_row_group(path: str, group: int) -> None:
-    """Overwrite the first bytes (a page header) of row group ``group``'s ``key`` chunk."""
+def pq_column(path: str, name: str) -> int:
     import pyarrow.parquet as pq
 
-    chunk = pq.read_metadata(path).row_group(group).column(0)
+    return pq.read_schema(path).get_field_index(name)
+
+
+def corrupt_row_group(path: str, group: int, column: int = 0) -> None:
+    """Overwrite the first bytes (a page header) of row group ``group``'s chunk of column
+    ``column`` (0: ``key``)."""
+    import pyarrow.parquet as pq
+
+    chunk = pq.read_metadata(path).row_group(group).column(column)
     start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
     with open(path, "r+b") as f:
         f.seek(start)
@@ -206,11 +213,12 @@ def corrupt_row_group(path: str, group: int) -> None:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_row_group_that_fails_to_decode_names_its_rows_or_skips_them(samples, tmp_path, workers):
     files = write_pyarrow(samples, tmp_path / "bad", per_file=48, row_group_size=10)
-    corrupt_row_group(files[0], 2)  # rows 20-29
+    label = pq_column(files[0], "label")
+    corrupt_row_group(files[0], 2, label)  # rows 20-29, in their label column
     ds = aioload.Parquet(files, columns=["key", "label"])
     with aioload.DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=as_list) as dl:
-        with pytest.raises(aioload.ParquetError, match=re.escape(f"{files[0]}, row group 2, row 0: the row group "
-                                                                 "cannot be decoded (")):
+        with pytest.raises(aioload.ParquetError, match=re.escape(f"{files[0]}, row group 2, row 0, column 'label': the "
+                                                                 "row group cannot be decoded (")):
             rows_of(dl)
     with aioload.DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=as_list, on_error="skip") as dl:
         got = [r["key"] for r in rows_of(dl)]

@@ -4,7 +4,8 @@ a list column, a page index or none; and a file ``datasets`` wrote), then random
 in a page body, a page header, the page index or the footer. The rule, for uniform mode (pages
 read by aioload) and window mode (row groups read by pyarrow): each row's value of a column is
 exactly pyarrow's where pyarrow reads the row group, or a ``ParquetError`` that names the file
-(and, for a row, its row group); never another exception, and each case's reads within 5 s of CPU and
+(and, for a row, its row group and the column that fails; a footer that cannot be read has
+neither); never another exception, and each case's reads within 5 s of CPU and
 64 MiB (Python's allocations, traced, and pyarrow's pool). One allowance: a value may also be
 the file's value before the change. pyarrow reads a chunk's pages in a row and believes each
 page's value count, so a count changed in one page shifts every later page's values, which
@@ -206,6 +207,7 @@ def check_mode(path: Path, window, groups, clean) -> None:
             row = plain(ds[i])
         except aioload.ParquetError as exc:
             assert f"{path}, row group {g}" in str(exc), f"row {i}: a ParquetError that does not name the row: {exc}"
+            assert ", column '" in str(exc), f"row {i}: a ParquetError that does not name the column: {exc}"
             continue
         expected = groups[g] if g < len(groups) else None
         if expected is None or r >= len(expected):

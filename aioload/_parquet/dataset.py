@@ -419,15 +419,19 @@ class Parquet(Dataset):
     def _group_values(self, chunks: Chunks, f: int, g: int, r: int) -> dict[str, Any]:
         footer = self._footers[f]
         columns = self._group_columns(f)
+        rows = int(footer.rows[g])
+
+        def where() -> str:  # the column that fails read alone, where one does
+            name = chunks.culprit(self._metadata(f), footer.size, g, columns, rows)
+            return f"{footer.url}, row group {g}, row {r}" + (f", column {name!r}" if name is not None else "")
+
         try:
             table = chunks.table(self._metadata(f), footer.size, g, columns)
         except Exception as exc:
-            raise ParquetError(f"{footer.url}, row group {g}, row {r}: the row group cannot be decoded "
-                               f"({type(exc).__name__}: {exc}); the file is corrupt, or was written again since "
-                               "its footer was read") from exc
-        if table.num_rows != int(footer.rows[g]):
-            raise ParquetError(f"{footer.url}, row group {g}, row {r}: the row group decoded to {table.num_rows} "
-                               f"rows, and its footer says {int(footer.rows[g])}")
+            raise ParquetError(f"{where()}: the row group cannot be decoded ({type(exc).__name__}: {exc}); the file "
+                               "is corrupt, or was written again since its footer was read") from exc
+        if table.num_rows != rows:
+            raise ParquetError(f"{where()}: the row group decoded to {table.num_rows} rows, and its footer says {rows}")
         numeric = chunks.numeric_lists(table)
         out = {}
         for name in columns:

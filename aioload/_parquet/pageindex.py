@@ -263,7 +263,10 @@ class FilePages:
         where = f"row group {group}, column {self.names.get(leaf, leaf)!r}"
         if not 0 <= offset - at <= offset - at + length <= len(data):
             raise PageIndexError(f"{where}: the offset index's bytes lie outside the page index fetched")
-        parsed, _ = read_struct(memoryview(data)[:offset - at + length], offset - at)
+        try:
+            parsed, _ = read_struct(memoryview(data)[:offset - at + length], offset - at)
+        except ValueError as exc:
+            raise PageIndexError(f"{where}: the offset index cannot be read ({exc})") from None
         locations = parsed.get(1)
         if not isinstance(locations, list) or not locations or not all(isinstance(p, dict) for p in locations):
             raise PageIndexError(f"{where}: the offset index lists no page")

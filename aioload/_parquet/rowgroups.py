@@ -85,6 +85,7 @@ class Chunks:
         self._table: Any = None
         self._numeric: set[str] | None = None
         self._error: BaseException | None = None
+        self._culprit: tuple[str | None] | None = None  # the column found to fail, once looked for
         self._lock = threading.Lock()
 
     def __reduce__(self):  # to a process that decodes what another read: the bytes travel
@@ -99,16 +100,42 @@ class Chunks:
                 import pyarrow.parquet as pq
 
                 try:
-                    source = pa.PythonFile(_Sparse(size, self.parts), mode="r")
-                    reader = pq.ParquetFile(source, metadata=metadata, pre_buffer=False)
-                    # one thread: the workers are the parallelism (pyarrow's pool would take every core in each)
-                    self._table = reader.read_row_group(group, columns=columns, use_threads=False)
+                    self._table = self._read(metadata, size, group, columns)
                     self.parts = []  # the table holds the rows now
                 except Exception as exc:  # noqa: BLE001 - kept, and raised for every row of the group
                     self._error = exc
             if self._error is not None:
                 raise self._error
             return self._table
+
+    def _read(self, metadata, size: int, group: int, columns: list[str]) -> Any:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        source = pa.PythonFile(_Sparse(size, self.parts), mode="r")
+        reader = pq.ParquetFile(source, metadata=metadata, pre_buffer=False)
+        # one thread: the workers are the parallelism (pyarrow's pool would take every core in each)
+        return reader.read_row_group(group, columns=columns, use_threads=False)
+
+    def culprit(self, metadata, size: int, group: int, columns: list[str], rows: int) -> str | None:
+        """Where the row group failed to decode (or decoded to other than ``rows`` rows): the
+        first of ``columns`` that fails read alone, or decodes to another number of rows;
+        ``None`` where each reads alone. Looked for once, on the error's path only (the bytes
+        are kept while the table is not made)."""
+        with self._lock:
+            if self._culprit is None:
+                found = None
+                if self.parts:
+                    for name in columns:
+                        try:
+                            if self._read(metadata, size, group, [name]).num_rows != rows:
+                                found = name
+                        except Exception:  # noqa: BLE001 - this column is the one that fails
+                            found = name
+                        if found is not None:
+                            break
+                self._culprit = (found,)
+            return self._culprit[0]
 
 
     def numeric_lists(self, table) -> set[str]:
