@@ -329,7 +329,7 @@ class Parquet(Dataset):
         if plan is not None:
             assert self._pages is not None
             try:
-                pages = self._pages.read_nowait(f, plan, g, r)
+                pages = self._pages.read_nowait(self.storage, self.urls[f], f, plan, g, r)
             except (ValueError, KeyError, IndexError) as exc:
                 raise self._index_error(index, exc) from exc
             if pages is None:

@@ -21,6 +21,7 @@ import numpy as np
 from aioload._parquet.pageindex import FilePages, Leaf
 from aioload._parquet.rowgroups import RowGroupCache
 from aioload._parquet.values import Entries, column_value, dictionary, leaf_value, needs_dictionary, page_values
+from aioload._storage.nowait import NoWait
 from aioload._storage.storage import Storage, read_buffer
 
 
@@ -109,6 +110,7 @@ class PageReader:
         self.pages: RowGroupCache[Piece] = RowGroupCache(max_bytes, 1, kind="parquet_pages")
         # a file's page index is a few bytes a page: kept
         self.indexes: RowGroupCache[Piece] = RowGroupCache(1 << 62, 1, kind="parquet_pages")
+        self.nowait = NoWait()  # a local page already in the page cache: read here, no trip through the loop
 
     def __getstate__(self):  # a copy (a spawned worker's) starts empty
         return {"max_bytes": self.max_bytes}
@@ -127,17 +129,38 @@ class PageReader:
         piece = await self.indexes.get(f, lambda: fetch_piece(storage, url, *span))
         return piece.offset, piece.data
 
-    def read_nowait(self, f: int, plan: FilePages, group: int, row: int) -> RowPages | None:
+    def read_nowait(self, storage: Storage, url: str, f: int, plan: FilePages, group: int,
+                    row: int) -> RowPages | None:
+        """The row's pages where each is held, or (a local file) in the page cache and read
+        now; ``None`` where one must be waited for. A page that may be dictionary-encoded
+        against the writer's statistics is left to :meth:`read`."""
         index = self.index_nowait(f)
         if index is None:
             return None
         pieces = {}
         for leaf in plan.leaves():
-            for key, _, _ in plan.pieces(index, group, row, leaf):
+            for key, offset, length in plan.pieces(index, group, row, leaf):
                 piece = self.pages.peek((f, key))
                 if piece is None:
-                    return None
+                    data = self.nowait.read(storage, url, offset, length)
+                    if data is None:
+                        return None
+                    piece = Piece(offset, data)
+                    self.pages.put((f, key), piece)
                 pieces[key] = piece
+            chunk = plan.chunks[group][leaf.index]
+            if chunk.dictionary is not None and (group, leaf.index, "chunk") not in pieces:
+                key, offset, length = plan.dictionary(group, leaf.index)
+                page = pieces[next(k for k in pieces if k[1] == leaf.index and k[2] != "dict")]
+                if key not in pieces and needs_dictionary(page.data, 0):  # coded against the writer's statistics
+                    piece = self.pages.peek((f, key))
+                    if piece is None:
+                        data = self.nowait.read(storage, url, offset, length)
+                        if data is None:
+                            return None
+                        piece = Piece(offset, data)
+                        self.pages.put((f, key), piece)
+                    pieces[key] = piece
         return RowPages(group, row, index, pieces)
 
     async def read(self, storage: Storage, url: str, f: int, plan: FilePages, group: int, row: int) -> RowPages:

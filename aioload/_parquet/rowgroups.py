@@ -227,11 +227,19 @@ class RowGroupCache(Generic[T]):
             chunks = await make()
         finally:
             self._pending.pop(key, None)
+        self.put(key, chunks)
+        return chunks
+
+    def put(self, key: Hashable, chunks: T) -> None:
+        """Keep ``chunks`` (fetched by the caller: a read that needed no wait), dropping the
+        least recently used past ``max_bytes``."""
         with self._lock:
             self.fetches += 1
+            old = self._done.pop(key, None)
+            if old is not None:
+                self._weight -= old.nbytes
             self._done[key] = chunks
             self._weight += chunks.nbytes
             while self._weight > int(self.max_bytes) and len(self._done) > self.keep:  # an int, or a LoaderShare
                 _, dropped = self._done.popitem(last=False)
                 self._weight -= dropped.nbytes
-        return chunks
