@@ -71,6 +71,19 @@ def as_list(batch):
     return batch
 
 
+def test_window_mode_over_http_asks_its_workers_to_read_a_window_ahead(server, folder):
+    # each new window's row groups are fetched at once: behind latency a worker holding only the
+    # next batch or two would wait for them at every window (locally the page cache serves them)
+    urls = [server.url(name) for name in NAMES]
+    groups = [md.row_group(g).num_rows for md in (pq.read_metadata(folder / n) for n in NAMES)
+              for g in range(md.num_row_groups)]
+    assert groups[:4] == [6, 6, 6, 2]  # 20 rows a file, row groups of 6
+    assert aioload.Parquet(urls, window=2, storage=aioload.Storage(retry=RETRY)).rows_ahead == \
+        int(2 * sum(groups) / len(groups))
+    assert aioload.Parquet(urls, storage=aioload.Storage(retry=RETRY)).rows_ahead == 0
+    assert aioload.Parquet([str(folder / name) for name in NAMES], window=2).rows_ahead == 0
+
+
 @pytest.mark.parametrize("window", [None, 2])
 def test_rows_over_http_ask_only_for_the_columns_asked_for(server, folder, window):
     urls = [server.url(n) for n in NAMES]

@@ -25,7 +25,7 @@ import pytest
 
 from aioload._workers import wire as _wire
 from aioload._base.errors import WorkerCrashedError, pack_exception
-from aioload._engine.spec import BatchBound
+from aioload._engine.spec import MAX_AHEAD, BatchBound
 from aioload._workers.messages import BatchOut, CancelReads, Done, InitError, StartEpoch, Task, WorkerReady
 from aioload._workers.pool import PER_WORKER_TASKS, PoolSession
 
@@ -477,3 +477,16 @@ async def until_received(worker: PlayedWorker) -> list:
 def test_batches_in_flight(workers, io, batch, whole, reads, quick, expected):
     bound = BatchBound(workers, PER_WORKER_TASKS, batch, whole=whole, reads=reads)
     assert bound.batches(io, quick=quick) == expected
+
+
+@pytest.mark.parametrize("workers,batch,rows_ahead,held", [
+    (2, 64, 0, PER_WORKER_TASKS),         # nothing asked: prefetch_factor's
+    (2, 64, 100, PER_WORKER_TASKS),       # less than the workers hold anyway
+    (2, 64, 800, 7),                      # a window of 8 row groups of 100 rows, over 2 workers
+    (1, 1, 10**6, MAX_AHEAD),             # bounded: each task holds a batch's slot
+])
+def test_a_dataset_that_reads_in_bursts_has_each_worker_hold_tasks_enough_to_read_ahead(workers, batch, rows_ahead,
+                                                                                      held):
+    bound = BatchBound(workers, PER_WORKER_TASKS, batch, whole=False, reads=False, rows_ahead=rows_ahead)
+    assert bound.held == held
+    assert bound.batches(0) == max(2, workers * (held if held > PER_WORKER_TASKS else 1))

@@ -212,7 +212,7 @@ class Engine:
         self._io = Limiter(spec.io_concurrency)
         self._reads = reads = ReadStage(spec, stats, budget, self._io, inflight, pickled=self.pool is not None)
         if self.pool is not None:
-            self._session = session = PoolSession(self.pool, per_worker=spec.bound.prefetch,
+            self._session = session = PoolSession(self.pool, per_worker=spec.bound.held,
                                                   cancel_reads=spec.reads is Reads.WORKERS)
             if self.pool.fetching:  # window mode's shards: received by the workers, not here
                 _fetches.offer(session.fetch)

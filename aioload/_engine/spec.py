@@ -31,6 +31,10 @@ class Reads(str, enum.Enum):
     WORKERS = "workers"  # where each sample is decoded: a worker's own loop, or the executor's task
 
 
+MAX_AHEAD = 16
+"""Tasks a worker holds at most to run its reads ahead (each holds a batch's slot)."""
+
+
 @dataclass(frozen=True)
 class BatchBound:
     """How many batches may be between the sampler and the ready queue (``queue_depth``
@@ -46,16 +50,29 @@ class BatchBound:
     with one per worker, a worker idled 10-22 % of the time on 128-token rows; with two
     workers decoding images on this shared 2-CPU machine, aioload reached 80 % of the ceiling
     against 94 % with two per worker). When the engine's loop reads (``reads``), also enough
-    batches to keep ``io`` reads busy."""
+    batches to keep ``io`` reads busy. A dataset whose reads come in bursts (Parquet's window
+    mode over remote files: each new window's row groups at once) asks for ``rows_ahead``
+    (``dataset.rows_ahead``): each worker then holds enough tasks to read that far ahead."""
 
     workers: int
     prefetch: int  # tasks each worker holds (prefetch_factor)
     batch_size: int
     whole: bool
     reads: bool
+    rows_ahead: int = 0  # rows the workers' reads should run ahead of their decode (a dataset's wish)
+
+    @property
+    def held(self) -> int:
+        """Tasks each worker holds: ``prefetch``, or enough to read ``rows_ahead`` rows ahead
+        (at most :data:`MAX_AHEAD`): a worker starts a task's reads when it receives it, so
+        the tasks it holds are how far its reads run ahead of its decode."""
+        ahead = -(-self.rows_ahead // max(1, self.workers * self.batch_size))
+        return max(self.prefetch, min(MAX_AHEAD, ahead))
 
     def batches(self, io: int, quick: bool = False) -> int:
         per_worker = self.prefetch if self.whole or quick else 1
+        if self.held > self.prefetch:
+            per_worker = self.held
         for_reads = -(-io // max(1, self.batch_size)) if self.reads else 0
         return max(2, self.workers * per_worker, for_reads)
 

@@ -92,6 +92,13 @@ def _positive_int(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+def _rows_ahead(dataset) -> int:
+    """The rows a dataset asks the workers' reads to run ahead of their decode
+    (``dataset.rows_ahead``, e.g. Parquet's window mode over remote files); 0 where it does not."""
+    ahead = getattr(dataset, "rows_ahead", 0)
+    return ahead if isinstance(ahead, int) and not isinstance(ahead, bool) and ahead > 0 else 0
+
+
 def default_queue_depth(prefetch_factor: int | None, num_workers: int) -> int:
     """``queue_depth=None``'s value: ``max(2, prefetch_factor × num_workers / 2)`` (2 with two workers)."""
     return max(2, (prefetch_factor or 2) * max(1, num_workers) // 2)
@@ -579,7 +586,7 @@ class DataLoader(Generic[_T_co]):
         batched = settings.num_workers > 0 and self._batched_fetch
         bound = BatchBound(workers, prefetch=t.prefetch_factor or 2, batch_size=t.batch_size or 1,
                            whole=round_robin or batched or mode in (Mode.WHOLE, Mode.ITER),
-                           reads=reads is Reads.ENGINE)
+                           reads=reads is Reads.ENGINE, rows_ahead=_rows_ahead(self.dataset))
         if self._tuner is not None:
             self._tuner.controller.follow(bound.batches, tune_io=reads is Reads.ENGINE)
         return Spec(

@@ -257,6 +257,17 @@ class Parquet(Dataset):
             raise IndexError(f"index {index} is out of range for a Parquet dataset of {n} rows")
         return i + n if i < 0 else i
 
+    @property
+    def rows_ahead(self) -> int:
+        """The rows a loader's workers should read ahead of their decode: in window mode over
+        files that are not all local, a window's rows (each new window's row groups are fetched
+        at once, and behind latency a worker holding only the next batch or two waits for
+        them); else 0, the loader's own depth."""
+        if self.window is None or all(locate(url)[0] == "local" for url in self.urls):
+            return 0
+        rows = self._layout.group_rows
+        return int(self.window * rows.mean()) if len(rows) else 0
+
     # -- the planner's protocol ---------------------------------------------------------------
     @property
     def deal(self) -> str:

@@ -14,7 +14,9 @@ outside it is not served). The process exits on SIGTERM or Ctrl-C, when its pare
 
 ``Range: bytes=a-b`` is answered ``206`` with that part (as object stores do), ``HEAD`` with the
 headers alone; ``--mb-per-s`` paces each response's body to that rate (a store's per-connection
-bandwidth; 0, the default: as fast as the socket takes it). ``GET /__requests__`` answers how
+bandwidth; 0, the default: as fast as the socket takes it): each piece of 2 ms of the pace is
+written once the pace has reached its end, and a body of one piece goes with its head, so a
+page-sized response costs the server one timer and one write. ``GET /__requests__`` answers how
 many requests for files it has had (for requests per sample), ``GET /__cpu__`` the CPU seconds
 this process has used so far (every thread: the bench takes the difference over its measured
 interval, the share of the CPUs the server took from the loaders it shares them with). Neither
@@ -46,7 +48,8 @@ def die_with_parent(parent: int) -> None:
 
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 _PIECE = 1 << 18  # bytes read from a file and written at once (unpaced)
-_PACE_CHUNK = 1 << 16  # bytes written at once when paced
+_PACE_CHUNK = 1 << 16  # bytes written at once when paced, at least
+_PACE_SLICE_S = 0.002  # ... or what the pace sends in this long: one write (and one timer) per slice
 _HEAD_LIMIT = 1 << 16
 COUNT_PATH = "__requests__"
 CPU_PATH = "__cpu__"
@@ -180,6 +183,24 @@ class _Connection(asyncio.Protocol):
                    "Accept-Ranges": "bytes", "ETag": f'"{st.st_mtime_ns:x}-{size:x}"'}
         if status == 206:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        rate = self.served.bytes_per_s
+        if method == "GET" and rate and end - start <= max(_PACE_CHUNK, int(rate * _PACE_SLICE_S)):
+            # one piece: the head and the body together once the pace has sent it (one timer, one write)
+            delay = self.loop.time() + (end - start) / rate
+            data = _pread(file, start, end - start)
+            delay -= self.loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if self.transport is None:
+                return False
+            if len(data) < end - start:  # the file shrank since it was listed
+                self.transport.close()
+                return False
+            await self.writable.wait()
+            if self.transport is None:
+                return False
+            self._send(status, headers, data)
+            return keep
         self._send(status, headers)
         if method == "GET":
             await self._body(file, start, end)
@@ -191,28 +212,41 @@ class _Connection(asyncio.Protocol):
         self.transport.write("\r\n".join(lines).encode("latin-1") + body)
 
     async def _body(self, file: Path, start: int, end: int) -> None:
+        """The body, paced where ``--mb-per-s`` asks: each piece is written once the pace has
+        reached its end (never earlier than a paced stream would have delivered its last byte),
+        in pieces of what the pace sends in :data:`_PACE_SLICE_S` (at least
+        :data:`_PACE_CHUNK`), so a page-sized body costs one timer and one write."""
         rate = self.served.bytes_per_s
-        piece = _PACE_CHUNK if rate else _PIECE
+        piece = max(_PACE_CHUNK, int(rate * _PACE_SLICE_S)) if rate else _PIECE
         began = self.loop.time()
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # never a symlink put in its place
         try:
             pos = start
             while pos < end:
+                n = min(piece, end - pos)
+                if rate:
+                    delay = began + (pos + n - start) / rate - self.loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
                 await self.writable.wait()
                 if self.transport is None:
                     return
-                data = os.pread(fd, min(piece, end - pos), pos)
+                data = os.pread(fd, n, pos)
                 if not data:  # the file shrank since it was listed
                     self.transport.close()
                     return
                 self.transport.write(data)
                 pos += len(data)
-                if rate:
-                    delay = began + (pos - start) / rate - self.loop.time()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
         finally:
             os.close(fd)
+
+
+def _pread(file: Path, start: int, n: int) -> bytes:
+    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # never a symlink put in its place
+    try:
+        return os.pread(fd, n, start)
+    finally:
+        os.close(fd)
 
 
 def serve(root: str, latency_ms: float, max_seconds: float, parent: int, mb_per_s: float = 0.0) -> None:
