@@ -360,7 +360,11 @@ class Parquet(Dataset):
         chunks: Chunks | None = None
         try:
             if self._group_columns(f):
-                found, chunks = await asyncio.gather(pages, self._cache.get((f, g), lambda: self._fetch(f, g)))
+                chunks = self._cache.peek((f, g))  # held: no second task to gather
+                if chunks is None:
+                    found, chunks = await asyncio.gather(pages, self._cache.get((f, g), lambda: self._fetch(f, g)))
+                else:
+                    found = await pages
             else:
                 found = await pages
         except ParquetError:

@@ -25,6 +25,8 @@ rows are off by one would otherwise shift every value silently.
 
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,6 +207,8 @@ class FilePages:
             raise PageIndexError(f"the footer does not describe its columns' pages ({type(exc).__name__}: "
                                  f"{exc})") from None
         self._pages: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._firsts: dict[tuple[int, int], list[int]] = {}  # each chunk's first rows, for bisect
+        self._leaves = tuple(leaf for node in self.nodes.values() for leaf in node.leaves())
 
     def _read(self, raw: bytes, arrow_schema: Any, columns: list[str]) -> None:
         length = int.from_bytes(raw[-8:-4], "little")
@@ -236,16 +240,18 @@ class FilePages:
         """Each leaf's column (by leaf position)."""
         return {leaf.index: name for name, node in self.nodes.items() for leaf in node.leaves()}
 
-    def leaves(self) -> list[Leaf]:
-        return [leaf for node in self.nodes.values() for leaf in node.leaves()]
+    def leaves(self) -> tuple[Leaf, ...]:
+        """The leaves read by page (every row asks: computed once)."""
+        return self._leaves
 
     def index_range(self) -> tuple[int, int] | None:
-        """``(offset, length)`` of the page index of the leaves read by page (``None``: none)."""
-        spans = [c.index for chunks in self.chunks for leaf in self.leaves() for c in [chunks[leaf.index]]]
-        if not spans:
-            return None
-        start = min(a for a, _ in spans)
-        return start, max(a + n for a, n in spans) - start
+        """``(offset, length)`` of the page index of the leaves read by page (``None``: none);
+        every read asks, so it is computed once."""
+        if not hasattr(self, "_span"):
+            spans = [c.index for chunks in self.chunks for leaf in self.leaves() for c in [chunks[leaf.index]]]
+            start = min((a for a, _ in spans), default=0)
+            self._span = (start, max(a + n for a, n in spans) - start) if spans else None
+        return self._span
 
     def pages(self, index: tuple[int, bytes], group: int, leaf: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(offsets, sizes, first rows)`` of a chunk's data pages, from the page index's
@@ -285,6 +291,14 @@ class FilePages:
                                  f"chunk's bytes [{chunk.start}, {end})")
         return offsets, sizes, firsts
 
+    def _page(self, index: tuple[int, bytes], group: int, leaf: int, row: int) -> int:
+        """The page of a chunk that holds row ``row`` (its first rows bisected, as a list: a
+        numpy search on one value costs more than the whole bisect)."""
+        firsts = self._firsts.get((group, leaf))
+        if firsts is None:
+            firsts = self._firsts[group, leaf] = self.pages(index, group, leaf)[2].tolist()
+        return bisect.bisect_right(firsts, row) - 1
+
     def page_rows(self, index: tuple[int, bytes], group: int, leaf: int, page: int) -> int:
         """How many rows the page index gives page ``page`` of a chunk."""
         firsts = self.pages(index, group, leaf)[2]
@@ -298,8 +312,8 @@ class FilePages:
         chunk = self.chunks[group][leaf.index]
         if chunk.length <= SMALL:
             return [((group, leaf.index, "chunk"), chunk.start, chunk.length)]
-        offsets, sizes, firsts = self.pages(index, group, leaf.index)
-        page = int(np.searchsorted(firsts, row, side="right")) - 1
+        offsets, sizes, _ = self.pages(index, group, leaf.index)
+        page = self._page(index, group, leaf.index, row)
         out = [((group, leaf.index, page), int(offsets[page]), int(sizes[page]))]
         if chunk.dictionary is not None and (chunk.dict_pages is None or page < chunk.dict_pages):
             out.append(self.dictionary(group, leaf.index))
@@ -319,7 +333,7 @@ class FilePages:
         """``(page offset in the file, first row of that page, its rows)`` of row ``row``'s page
         of ``leaf``."""
         offsets, _, firsts = self.pages(index, group, leaf.index)
-        page = int(np.searchsorted(firsts, row, side="right")) - 1
+        page = self._page(index, group, leaf.index, row)
         return int(offsets[page]), int(firsts[page]), self.page_rows(index, group, leaf.index, page)
 
 

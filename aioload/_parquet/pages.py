@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any, SupportsInt
 
-import numpy as np
 
 from aioload._parquet.pageindex import FilePages, Leaf
 from aioload._parquet.rowgroups import RowGroupCache
@@ -92,8 +91,7 @@ class RowPages:
         return leaf_value(page.data, 0, chunk.codec, self.row - first, leaf, entries, rows)
 
     def _page(self, plan: FilePages, leaf: Leaf) -> int:
-        firsts = plan.pages(self.index, self.group, leaf.index)[2]
-        return int(np.searchsorted(firsts, self.row, side="right")) - 1
+        return plan._page(self.index, self.group, leaf.index, self.row)
 
     def value(self, plan: FilePages, column: str) -> Any:
         """The row's value of a column read by page."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from aioload._base.errors import ResumeError
 from aioload._plan.deal import Deal
 from aioload._plan.order import STRIDE
 
@@ -52,15 +53,22 @@ class Segment:
     above: tuple[int, ...] = ()
 
 
-class TooManyPieces(ValueError):
+class TooManyPieces(ResumeError):
     """Applying a state's segments would pass the budget (:data:`WORK_MAX`): ``index`` is the
-    segment that did."""
+    segment that did, ``work`` what it had handled, ``budget`` the bound."""
 
-    def __init__(self, index: int, work: int, budget: int):
-        super().__init__(f"segment {index} of the state cuts what is left of its epoch more finely than a run resumed "
-                         f"on other numbers of ranks does ({work:,} pieces and positions handled, past a budget of "
-                         f"{budget:,}); pass what loader.state_dict() returned")
+    def __init__(self, message: str, index: int = 0, work: int = 0, budget: int = 0):
+        super().__init__(message)
         self.index, self.work, self.budget = index, work, budget
+
+    @classmethod
+    def at(cls, index: int, work: int, budget: int) -> "TooManyPieces":
+        return cls(f"segment {index} of the state cuts what is left of its epoch more finely than a run resumed on "
+                   f"other numbers of ranks does ({work:,} pieces and positions handled, past a budget of "
+                   f"{budget:,}); pass what loader.state_dict() returned", index, work, budget)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.index, self.work, self.budget), {"__notes__": getattr(self, "__notes__", [])})
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -226,7 +234,7 @@ def rest_runs(length: int, segments, deal_for, check=None) -> tuple[np.ndarray, 
             work += left
         work += left if dense is not None else _PIECE_COST * (runs[0].size + picked[0].size)
         if work > budget:
-            raise TooManyPieces(i, work, budget)
+            raise TooManyPieces.at(i, work, budget)
         if dense is not None:
             dense = dense[_positions(picked)]
         else:
