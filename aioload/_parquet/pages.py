@@ -130,36 +130,36 @@ class PageReader:
     def read_nowait(self, storage: Storage, url: str, f: int, plan: FilePages, group: int,
                     row: int) -> RowPages | None:
         """The row's pages where each is held, or (a local file) in the page cache and read
-        now; ``None`` where one must be waited for. A page that may be dictionary-encoded
-        against the writer's statistics is left to :meth:`read`."""
+        now; ``None`` where one must be waited for."""
         index = self.index_nowait(f)
         if index is None:
             return None
         pieces = {}
         for leaf in plan.leaves():
             for key, offset, length in plan.pieces(index, group, row, leaf):
-                piece = self.pages.peek((f, key))
-                if piece is None:
-                    data = self.nowait.read(storage, url, offset, length)
-                    if data is None:
-                        return None
-                    piece = Piece(offset, data)
-                    self.pages.put((f, key), piece)
+                if (piece := self._piece_now(storage, url, f, key, offset, length)) is None:
+                    return None
                 pieces[key] = piece
             chunk = plan.chunks[group][leaf.index]
             if chunk.dictionary is not None and (group, leaf.index, "chunk") not in pieces:
                 key, offset, length = plan.dictionary(group, leaf.index)
                 page = pieces[next(k for k in pieces if k[1] == leaf.index and k[2] != "dict")]
                 if key not in pieces and needs_dictionary(page.data, 0):  # coded against the writer's statistics
-                    piece = self.pages.peek((f, key))
-                    if piece is None:
-                        data = self.nowait.read(storage, url, offset, length)
-                        if data is None:
-                            return None
-                        piece = Piece(offset, data)
-                        self.pages.put((f, key), piece)
+                    if (piece := self._piece_now(storage, url, f, key, offset, length)) is None:
+                        return None
                     pieces[key] = piece
         return RowPages(group, row, index, pieces)
+
+    def _piece_now(self, storage: Storage, url: str, f: int, key: Any, offset: int, length: int) -> Piece | None:
+        """A piece held, or read from the page cache now (and kept); ``None``: it must be waited for."""
+        piece = self.pages.peek((f, key))
+        if piece is None:
+            data = self.nowait.read(storage, url, offset, length)
+            if data is None:
+                return None
+            piece = Piece(offset, data)
+            self.pages.put((f, key), piece)
+        return piece
 
     async def read(self, storage: Storage, url: str, f: int, plan: FilePages, group: int, row: int) -> RowPages:
         index = await self.index(storage, url, f, plan)
