@@ -16,7 +16,7 @@ path, so that checkouts are compared in one run, rounds interleaved:
   ``decode`` returns a constant, so what the workers do per sample is the read (the range
   request in their event loop's thread) and the members taken out of it (the tar headers
   parsed and checked, each member's bytes copied), plus the task's hand-off. Printed: the
-  workers' CPU seconds (``/proc/<pid>/stat``, every thread) per sample.
+  workers' CPU seconds (``/proc/<pid>/task/*/schedstat``, every thread) per sample.
 * ``client``: ``dataset.read(i)`` of every sample of the same order, in batches of
   ``--batch-size``, ``--io-concurrency`` at once on one uvloop loop in a process of its own (no
   loader, no workers): the process's CPU seconds per request, the read path alone.
@@ -43,7 +43,22 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (all its threads), 0 once it is gone."""
+    """CPU seconds of ``pid`` (all its threads), 0 once it is gone: each thread's time on a CPU
+    from ``/proc/<pid>/task/<tid>/schedstat`` (nanoseconds: a small run uses a few clock ticks,
+    which ``/proc/<pid>/stat`` counts in, so it read 0 or 10 ms for 56 samples), or where that
+    is missing, user + system ticks from ``/proc/<pid>/stat``."""
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                    total += int(f.read().split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+    except (OSError, ValueError, IndexError):
+        total = 0
+    if total > 0:
+        return total / 1e9
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
