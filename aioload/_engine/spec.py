@@ -70,9 +70,8 @@ class BatchBound:
         return max(self.prefetch, min(MAX_AHEAD, ahead))
 
     def batches(self, io: int, quick: bool = False) -> int:
-        per_worker = self.prefetch if self.whole or quick else 1
-        if self.held > self.prefetch:
-            per_worker = self.held
+        held = self.held  # beyond prefetch only where the dataset asked to read ahead
+        per_worker = held if held > self.prefetch else self.prefetch if self.whole or quick else 1
         for_reads = -(-io // max(1, self.batch_size)) if self.reads else 0
         return max(2, self.workers * per_worker, for_reads)
 

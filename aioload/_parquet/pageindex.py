@@ -203,12 +203,16 @@ class FilePages:
     def __init__(self, raw: bytes, arrow_schema: Any, columns: list[str]):
         try:
             self._read(raw, arrow_schema, columns)
+            # every read asks for these: computed once
+            self._leaves = tuple(leaf for node in self.nodes.values() for leaf in node.leaves())
+            spans = [chunks[leaf.index].index for chunks in self.chunks for leaf in self._leaves]
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
             raise PageIndexError(f"the footer does not describe its columns' pages ({type(exc).__name__}: "
                                  f"{exc})") from None
+        start = min((a for a, _ in spans), default=0)
+        self._span = (start, max(a + n for a, n in spans) - start) if spans else None
         self._pages: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._firsts: dict[tuple[int, int], list[int]] = {}  # each chunk's first rows, for bisect
-        self._leaves = tuple(leaf for node in self.nodes.values() for leaf in node.leaves())
 
     def _read(self, raw: bytes, arrow_schema: Any, columns: list[str]) -> None:
         length = int.from_bytes(raw[-8:-4], "little")
@@ -241,16 +245,11 @@ class FilePages:
         return {leaf.index: name for name, node in self.nodes.items() for leaf in node.leaves()}
 
     def leaves(self) -> tuple[Leaf, ...]:
-        """The leaves read by page (every row asks: computed once)."""
+        """The leaves read by page."""
         return self._leaves
 
     def index_range(self) -> tuple[int, int] | None:
-        """``(offset, length)`` of the page index of the leaves read by page (``None``: none);
-        every read asks, so it is computed once."""
-        if not hasattr(self, "_span"):
-            spans = [c.index for chunks in self.chunks for leaf in self.leaves() for c in [chunks[leaf.index]]]
-            start = min((a for a, _ in spans), default=0)
-            self._span = (start, max(a + n for a, n in spans) - start) if spans else None
+        """``(offset, length)`` of the page index of the leaves read by page (``None``: none)."""
         return self._span
 
     def pages(self, index: tuple[int, bytes], group: int, leaf: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

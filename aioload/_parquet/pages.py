@@ -99,6 +99,20 @@ class RowPages:
         return column_value(node, {leaf.index: self.leaf_value(plan, leaf) for leaf in node.leaves()})
 
 
+def _unannounced_dictionary(plan: FilePages, group: int, leaf: Leaf, pieces: dict) -> tuple[Any, int, int] | None:
+    """``(key, offset, length)`` of the dictionary page ``leaf``'s data page in ``pieces`` is
+    coded against where the writer's encoding statistics did not say so (it was not asked for
+    with the page); ``None`` where none is needed beyond ``pieces``."""
+    chunk = plan.chunks[group][leaf.index]
+    if chunk.dictionary is None or (group, leaf.index, "chunk") in pieces:
+        return None
+    key, offset, length = plan.dictionary(group, leaf.index)
+    if key in pieces:
+        return None
+    page = pieces[next(k for k in pieces if k[1] == leaf.index and k[2] != "dict")]
+    return (key, offset, length) if needs_dictionary(page.data, 0) else None
+
+
 class PageReader:
     """The pages of one dataset's files, fetched and kept in this process: the page index of
     each file (once) and the pages rows need (bounded by ``max_bytes``)."""
@@ -140,14 +154,12 @@ class PageReader:
                 if (piece := self._piece_now(storage, url, f, key, offset, length)) is None:
                     return None
                 pieces[key] = piece
-            chunk = plan.chunks[group][leaf.index]
-            if chunk.dictionary is not None and (group, leaf.index, "chunk") not in pieces:
-                key, offset, length = plan.dictionary(group, leaf.index)
-                page = pieces[next(k for k in pieces if k[1] == leaf.index and k[2] != "dict")]
-                if key not in pieces and needs_dictionary(page.data, 0):  # coded against the writer's statistics
-                    if (piece := self._piece_now(storage, url, f, key, offset, length)) is None:
-                        return None
-                    pieces[key] = piece
+            extra = _unannounced_dictionary(plan, group, leaf, pieces)
+            if extra is not None:
+                key, offset, length = extra
+                if (piece := self._piece_now(storage, url, f, key, offset, length)) is None:
+                    return None
+                pieces[key] = piece
         return RowPages(group, row, index, pieces)
 
     def _piece_now(self, storage: Storage, url: str, f: int, key: Any, offset: int, length: int) -> Piece | None:
@@ -172,14 +184,10 @@ class PageReader:
         elif missing:
             pieces.update(zip(missing, await asyncio.gather(*(self._get(storage, url, f, key, *wanted[key])
                                                               for key in missing))))
-        for leaf in plan.leaves():  # a page coded against the writer's statistics: its dictionary now
-            chunk = plan.chunks[group][leaf.index]
-            if chunk.dictionary is None or (group, leaf.index, "chunk") in pieces:
-                continue
-            key, offset, length = plan.dictionary(group, leaf.index)
-            page = pieces[next(k for k in wanted if k[1] == leaf.index and k[2] != "dict")]
-            if key not in pieces and needs_dictionary(page.data, 0):
-                pieces[key] = await self._get(storage, url, f, key, offset, length)
+        for leaf in plan.leaves():
+            extra = _unannounced_dictionary(plan, group, leaf, pieces)
+            if extra is not None:
+                pieces[extra[0]] = await self._get(storage, url, f, *extra)
         return RowPages(group, row, index, pieces)
 
     async def _get(self, storage: Storage, url: str, f: int, key: Any, offset: int, length: int) -> Piece:

@@ -96,9 +96,6 @@ class Chunks:
         failed raises its error again for every row that asks."""
         with self._lock:
             if self._table is None and self._error is None:
-                import pyarrow as pa
-                import pyarrow.parquet as pq
-
                 try:
                     self._table = self._read(metadata, size, group, columns)
                     self.parts = []  # the table holds the rows now

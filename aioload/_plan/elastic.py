@@ -90,17 +90,18 @@ def _runs(starts, ends) -> tuple[np.ndarray, np.ndarray]:
     return starts[new], ends[last]
 
 
-def _marks(runs: tuple, size: int) -> np.ndarray:
-    """A mark for each of ``size`` places: in ``runs`` or not."""
-    edges = np.zeros(size + 1, dtype=np.int64)
-    np.add.at(edges, runs[0], 1)
-    np.add.at(edges, runs[1], -1)
-    return np.cumsum(edges[:-1]) > 0
-
-
 def _marked_runs(marks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of marked places."""
     edges = np.flatnonzero(np.diff(np.concatenate([[False], marks, [False]]).astype(np.int8)))
     return edges[0::2].astype(np.int64), edges[1::2].astype(np.int64)
+
+
+def _runs_of(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Increasing positions as runs: a run ends where the next position is not the one after."""
+    if positions.size == 0:
+        return _EMPTY, _EMPTY
+    cut = np.flatnonzero(np.diff(positions) != 1) + 1
+    return positions[np.concatenate([[0], cut])], positions[np.concatenate([cut - 1, [positions.size - 1]])] + 1
 
 
 def _delivered(kept: int, batch_size: int, segment: Segment) -> tuple[np.ndarray, np.ndarray]:
@@ -110,11 +111,6 @@ def _delivered(kept: int, batch_size: int, segment: Segment) -> tuple[np.ndarray
     starts = np.concatenate([[0], above * batch_size])
     ends = np.concatenate([[segment.low * batch_size], (above + 1) * batch_size])
     return _runs(np.minimum(starts, kept), np.minimum(ends, kept))
-
-
-def delivered_places(kept: int, batch_size: int, segment: Segment) -> np.ndarray:
-    """Which of a rank's first ``kept`` places are in a batch that ``segment`` delivered."""
-    return _marks(_delivered(kept, batch_size, segment), kept)
 
 
 def _left(length: int, deal: Deal, segment: Segment) -> tuple[np.ndarray, np.ndarray]:
@@ -145,7 +141,7 @@ def _left(length: int, deal: Deal, segment: Segment) -> tuple[np.ndarray, np.nda
     else:  # many ranks: a mark per slot (fewer than 2 * length of them)
         slots = np.zeros((2, world, share), dtype=bool)
         slots[0, :, :kept] = True
-        slots[1, :, :kept] = _marks(done, kept)
+        slots[1, :, _positions(done)] = True
         folded = np.zeros((2, length), dtype=bool)
         for mark, flat in zip(folded, slots.reshape(2, -1)):
             mark[:min(length, flat.size)] = flat[:length]
@@ -240,13 +236,7 @@ def rest_runs(length: int, segments, deal_for, check=None) -> tuple[np.ndarray, 
         else:
             runs = _select(runs, picked)
         left = int((picked[1] - picked[0]).sum())
-    return _marked_runs(_marks_dense(dense, length)) if dense is not None else runs
-
-
-def _marks_dense(positions: np.ndarray, length: int) -> np.ndarray:
-    marks = np.zeros(length, dtype=bool)
-    marks[positions] = True
-    return marks
+    return _runs_of(dense) if dense is not None else runs
 
 
 def rest_of_epoch(length: int, segments, deal_for, check=None) -> torch.Tensor:

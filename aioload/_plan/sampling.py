@@ -536,8 +536,9 @@ class Planner:
             delivered = progress["delivered"]
             return delivered["below"] + len(delivered["also"]), length
         segments, delivered = elastic
-        rest = rest_of_epoch(self._shards().order(progress["order_seed"], resume["epoch"]).numel(), segments,
-                             self._deal).numel()
+        starts, ends = rest_runs(self._shards().order(progress["order_seed"], resume["epoch"]).numel(), segments,
+                                 self._deal)
+        rest = int((ends - starts).sum())
         _, world = self._shards().ranks() or (0, 1)
         return len(delivered), self._deal(world).batches(rest)
 
