@@ -79,6 +79,8 @@ class _Files:
         self.files = served_files(base)
         self.latency_s = latency_s
         self.bytes_per_s = bytes_per_s
+        # bytes written at once: what the pace sends in a slice (at least a chunk), or unpaced a piece
+        self.piece = max(_PACE_CHUNK, int(bytes_per_s * _PACE_SLICE_S)) if bytes_per_s else _PIECE
         self.count = 0
 
 
@@ -184,7 +186,7 @@ class _Connection(asyncio.Protocol):
         if status == 206:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         rate = self.served.bytes_per_s
-        if method == "GET" and rate and end - start <= max(_PACE_CHUNK, int(rate * _PACE_SLICE_S)):
+        if method == "GET" and rate and end - start <= self.served.piece:
             # one piece: the head and the body together once the pace has sent it (one timer, one write)
             delay = self.loop.time() + (end - start) / rate
             data = _pread(file, start, end - start)
@@ -216,8 +218,7 @@ class _Connection(asyncio.Protocol):
         reached its end (never earlier than a paced stream would have delivered its last byte),
         in pieces of what the pace sends in :data:`_PACE_SLICE_S` (at least
         :data:`_PACE_CHUNK`), so a page-sized body costs one timer and one write."""
-        rate = self.served.bytes_per_s
-        piece = max(_PACE_CHUNK, int(rate * _PACE_SLICE_S)) if rate else _PIECE
+        rate, piece = self.served.bytes_per_s, self.served.piece
         began = self.loop.time()
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # never a symlink put in its place
         try:
