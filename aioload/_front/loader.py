@@ -480,10 +480,8 @@ class DataLoader(Generic[_T_co]):
                       worker_start=self._res.pool.start_method if self._res.pool is not None else "")
         if self._res.executor is not None:
             gauges.update(self._res.executor.figures(), num_workers=self._executor_spec().num_workers)
-        tally = self._planner.tally
+        tally = self._settled_tally()
         if tally is not None:
-            if self._progress is not None:
-                tally.settle(self._progress.delivered)
             gauges["per_source"] = tally.figures()
         gauges.update(dataset_figures(self.dataset, self._dataset_base))
         return self._stats.snapshot(**gauges)
@@ -494,11 +492,17 @@ class DataLoader(Generic[_T_co]):
             return self._tuner.controller.io, self._tuner.controller.depth
         return int(self.io_concurrency), int(self.queue_depth)  # not "auto": there would be a tuner
 
-    def _epoch_begins(self, epoch: int) -> None:
+    def _settled_tally(self):
+        """A mix's tally of samples per source, brought up to the batches delivered so far
+        (``None`` without a mix)."""
         tally = self._planner.tally
+        if tally is not None and self._progress is not None:
+            tally.settle(self._progress.delivered)
+        return tally
+
+    def _epoch_begins(self, epoch: int) -> None:
+        tally = self._settled_tally()
         if tally is not None:
-            if self._progress is not None:
-                tally.settle(self._progress.delivered)
             tally.new_epoch()
         self._stats.begin_epoch()
         if self._monitor is not None:

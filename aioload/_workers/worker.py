@@ -457,16 +457,20 @@ class _Worker:
             return None if msg is None else (msg, None)
         return self.inbox.get()
 
+    def _cancel_reads(self) -> None:
+        """Every read and shard fetch in flight in this worker, cancelled."""
+        if self.reads is not None:
+            self.reads.cancel()
+        if self.fetches is not None:
+            self.fetches.cancel()
+
     def receive(self) -> None:
         """The receiving thread: messages in order into the inbox, reads started on the way;
         ``None`` last, once the parent has gone away or said to stop."""
         try:
             while (msg := self.reader.recv_blocking()) is not None:
                 if isinstance(msg, CancelReads):  # at once: the tasks it ends wait in the inbox
-                    if self.reads is not None:
-                        self.reads.cancel()
-                    if self.fetches is not None:
-                        self.fetches.cancel()
+                    self._cancel_reads()
                     continue
                 if isinstance(msg, FetchShard):
                     self.fetches.start(msg)
@@ -474,10 +478,7 @@ class _Worker:
                 reading = None
                 if isinstance(msg, Shutdown):  # the pool is closing (an epoch left early, close()): no queued task runs
                     self.stopping.set()
-                    if self.reads is not None:
-                        self.reads.cancel()
-                    if self.fetches is not None:
-                        self.fetches.cancel()
+                    self._cancel_reads()
                 if isinstance(msg, Task) and not isinstance(msg.work, IterWork) and self.reads is not None:
                     reading = self.reads.start(list(msg.work.items))
                 self.inbox.put((msg, reading))
