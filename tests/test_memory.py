@@ -4,6 +4,7 @@ sharing copy-on-read undoes)."""
 
 from __future__ import annotations
 
+import gc
 import re
 
 import pytest
@@ -138,3 +139,29 @@ def test_measurements_stop_once_they_took_their_share_of_the_time():
     assert window.affordable()
     window._spent = 1.0  # a second of measuring in a loader a moment old: past 1 %
     assert not window.affordable()
+
+
+class Tracked(torch.utils.data.Dataset):
+    """A million one-item lists (objects the garbage collector tracks: about 70 MB) that each
+    read leaves alone; a read runs a full collection first, as a long epoch's allocations do
+    sooner or later, and says how much this process's private memory grew over it."""
+
+    def __init__(self):
+        self.rows = [[i] for i in range(1_000_000)]
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int):
+        before = _memory.rollup().private
+        gc.collect()
+        return _memory.rollup().private - before
+
+
+def test_a_full_collection_in_a_fork_worker_copies_none_of_the_datasets_objects():
+    # a collection writes to the header of every object it walks: walking the dataset's
+    # objects inherited from the training process would copy each page of them into the worker
+    with aioload.DataLoader(Tracked(), batch_size=None, num_workers=1, multiprocessing_context="fork") as loader:
+        grown = [int(x) for x in loader]
+    assert len(grown) == 2
+    assert max(grown) < 8 * 2**20, f"a collection copied {max(grown) / 2**20:.0f} MB into the worker"
