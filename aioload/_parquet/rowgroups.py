@@ -230,7 +230,7 @@ class RowGroupCache(Generic[T]):
         try:
             chunks = await make()
         except BaseException as exc:
-            pending.set_exception(_Orphaned() if isinstance(exc, asyncio.CancelledError) else exc)
+            pending.set_exception(_Orphaned() if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) else exc)
             pending.exception()  # retrieved: nobody else may be waiting for it
             raise
         finally:
