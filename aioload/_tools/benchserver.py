@@ -16,10 +16,10 @@ outside it is not served). The process exits on SIGTERM or Ctrl-C, when its pare
 headers alone; ``--mb-per-s`` paces each response's body to that rate (a store's per-connection
 bandwidth; 0, the default: as fast as the socket takes it): each piece of 2 ms of the pace is
 written once the pace has reached its end, and a body of one piece goes right after its head,
-once the round trip and the pace have both passed, from the file to the socket by
-``os.sendfile`` (no copy through this process): a page-sized response costs the server one timer,
-one write and one ``sendfile`` (about 50 µs of CPU for 139 KB, against 95 µs when its bytes went
-through Python). ``GET /__requests__`` answers how
+once the round trip and the pace have both passed. Bodies go from the file to the socket by
+``os.sendfile`` (no copy through this process) while the socket takes them: a page-sized
+response costs the server one timer, one write and one ``sendfile`` (about 50 µs of CPU for
+139 KB, against 95 µs when its bytes went through Python). ``GET /__requests__`` answers how
 many requests for files it has had (for requests per sample), ``GET /__cpu__`` the CPU seconds
 this process has used so far (every thread: the bench takes the difference over its measured
 interval, the share of the CPUs the server took from the loaders it shares them with). Neither
@@ -212,31 +212,36 @@ class _Connection(asyncio.Protocol):
             await asyncio.sleep(delay)
 
     def _send_file(self, status: int, headers: dict, file: Path, start: int, n: int) -> bool:
-        """The head, then ``n`` bytes of ``file`` from ``start``: ``os.sendfile`` from the page
-        cache to the socket where nothing waits in the transport's buffer (no copy through
-        this process), the rest written through the transport. False: the file is shorter."""
+        """The head, then ``n`` bytes of ``file`` from ``start`` (:meth:`_write_from`). False:
+        the file is shorter."""
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # never a symlink put in its place
         try:
             self._send(status, headers)
-            sock = self.transport.get_extra_info("socket")
-            sent = 0
-            if sock is not None and not self.transport.get_write_buffer_size():
-                try:
-                    while sent < n:
-                        got = os.sendfile(sock.fileno(), fd, start + sent, n - sent)
-                        if not got:
-                            return False
-                        sent += got
-                except BlockingIOError:  # the socket's buffer is full: the transport takes the rest
-                    pass
-            if sent < n:
-                data = os.pread(fd, n - sent, start + sent)
-                if len(data) < n - sent:
-                    return False
-                self.transport.write(data)
-            return True
+            return self._write_from(fd, start, n) == n
         finally:
             os.close(fd)
+
+    def _write_from(self, fd: int, start: int, n: int) -> int:
+        """Write ``n`` bytes of the file ``fd`` from ``start``: ``os.sendfile`` from the page cache
+        to the socket while nothing waits in the transport's buffer (no copy through this
+        process), what the socket does not take then through the transport. Returns the bytes
+        written: fewer than ``n`` where the file ends first."""
+        sock = self.transport.get_extra_info("socket")
+        sent = 0
+        if sock is not None and not self.transport.get_write_buffer_size():
+            try:
+                while sent < n:
+                    got = os.sendfile(sock.fileno(), fd, start + sent, n - sent)
+                    if not got:
+                        return sent
+                    sent += got
+            except BlockingIOError:  # the socket's buffer is full: the transport takes the rest
+                pass
+        if sent < n:
+            data = os.pread(fd, n - sent, start + sent)
+            self.transport.write(data)
+            sent += len(data)
+        return sent
 
     def _send(self, status: int, headers: dict, body: bytes = b"") -> None:
         reason = HTTPStatus(status).phrase
@@ -247,7 +252,8 @@ class _Connection(asyncio.Protocol):
         """The body, paced where ``--mb-per-s`` asks: each piece is written once the pace has
         reached its end (never earlier than a paced stream would have delivered its last byte),
         in pieces of what the pace sends in :data:`_PACE_SLICE_S` (at least
-        :data:`_PACE_CHUNK`); a body of one piece goes by :meth:`_send_file` instead."""
+        :data:`_PACE_CHUNK`), each by :meth:`_write_from`; a body of one piece goes with its head
+        instead (:meth:`_send_file`)."""
         rate, piece = self.served.bytes_per_s, self.served.piece
         began = self.loop.time()
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # never a symlink put in its place
@@ -262,12 +268,11 @@ class _Connection(asyncio.Protocol):
                 await self.writable.wait()
                 if self.transport is None:
                     return
-                data = os.pread(fd, n, pos)
-                if not data:  # the file shrank since it was listed
+                wrote = self._write_from(fd, pos, n)
+                if wrote < n:  # the file shrank since it was listed
                     self.transport.close()
                     return
-                self.transport.write(data)
-                pos += len(data)
+                pos += wrote
         finally:
             os.close(fd)
 
