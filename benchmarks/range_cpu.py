@@ -1,9 +1,15 @@
-"""The CPU a range request costs in uniform mode, in the processes that make it: the read path
-alone, without decoding.
+"""The CPU a range request costs in uniform mode, in the processes that make it and in the
+server that answers it: the read path alone, without decoding.
 
     python benchmarks/range_cpu.py                          # this checkout, 3 rounds
     python benchmarks/range_cpu.py --trees /tmp/base,.      # another checkout beside this one, interleaved
     python benchmarks/range_cpu.py --no-shuffle             # samples in order: a task's reads lie together
+    python benchmarks/range_cpu.py --format parquet --images 4000 --scale 1.45   # a page a row: parquet.py's photos
+
+With ``--format parquet`` the data is ``benchmarks/parquet.py``'s instead (``--images`` in
+class-sorted files of ``--rows-per-file`` rows, a page per image; ``--scale`` as there) and the
+dataset ``aioload.Parquet(files, columns=["image", "label"], decode=...)``: a row's read is its
+image's page, fetched by range through the page index.
 
 The data is ``benchmarks/shards.py``'s (``--images`` synthetic JPEGs in class-sorted shards of
 ``--shard-size``, made once in ``$AIOLOAD_CACHE``), served by ``aioload._tools.benchserver`` on
@@ -22,7 +28,9 @@ path, so that checkouts are compared in one run, rounds interleaved:
   loader, no workers): the process's CPU seconds per request, the read path alone.
 
 Beside each: the requests the server answered per sample read (every request of the child,
-the few that set the dataset up included): below 1 where reads shared a request.
+the few that set the dataset up included): below 1 where reads shared a request; and the
+server's CPU per sample (its process's, from its ``/__cpu__``): on this machine it comes out of
+the CPUs the loader has, as a real store's would not.
 Medians over ``--rounds``; the machine's noise moves the absolute figures, compare within one run.
 """
 
@@ -83,11 +91,28 @@ def constant(sample) -> int:
 # ----------------------------------------------------------------------------- one measurement (a child)
 
 
-def measure_loader(pattern: str, args) -> dict:
+def dataset(pattern: str, args):
+    """The dataset of a measurement: the shards' (``pattern``: their brace pattern) or the Parquet
+    files' (``pattern``: their URLs, as JSON)."""
     import aioload
 
     storage = aioload.Storage(connections_per_host=max(64, args.io_concurrency))
-    ds = aioload.WebDataset(pattern, decode=constant, storage=storage)
+    if args.format == "parquet":
+        return aioload.Parquet(json.loads(pattern), columns=["image", "label"], decode=constant, storage=storage)
+    return aioload.WebDataset(pattern, decode=constant, storage=storage)
+
+
+def _nbytes(raw) -> int:
+    """The bytes a read returned: a shard member's, or a Parquet row's pages."""
+    if isinstance(raw, tuple) and len(raw) == 3 and hasattr(raw[2], "pieces"):  # Parquet: (chunks, index, pages)
+        return sum(piece.nbytes for piece in raw[2].pieces.values())
+    return len(raw[0])
+
+
+def measure_loader(pattern: str, args) -> dict:
+    import aioload
+
+    ds = dataset(pattern, args)
     loader = aioload.DataLoader(ds, batch_size=args.batch_size, shuffle=not args.no_shuffle, seed=1,
                                 num_workers=args.workers, io_concurrency=args.io_concurrency, persistent_workers=True)
     try:
@@ -111,10 +136,7 @@ def measure_client(pattern: str, args) -> dict:
     import torch
     import uvloop
 
-    import aioload
-
-    storage = aioload.Storage(connections_per_host=max(64, args.io_concurrency))
-    ds = aioload.WebDataset(pattern, decode=constant, storage=storage)
+    ds = dataset(pattern, args)
     order = (list(range(len(ds))) if args.no_shuffle
              else torch.randperm(len(ds), generator=torch.Generator().manual_seed(1)).tolist())
     batches = [order[i:i + args.batch_size] for i in range(0, len(order), args.batch_size)]
@@ -138,11 +160,11 @@ def measure_client(pattern: str, args) -> dict:
             if len(pending) > ahead:
                 done = await pending.pop(0)
                 requests += len(done)
-                nbytes += sum(len(raw) for raw, _ in done)
+                nbytes += sum(map(_nbytes, done))
         for task in pending:
             done = await task
             requests += len(done)
-            nbytes += sum(len(raw) for raw, _ in done)
+            nbytes += sum(map(_nbytes, done))
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - started
         return {"samples": requests, "client_ms_per_request": 1e3 * cpu / requests, "requests_per_s": requests / wall,
                 "kb_per_request": nbytes / requests / 1e3}
@@ -155,7 +177,8 @@ def measure_client(pattern: str, args) -> dict:
 
 def run_child(tree: str, what: str, pattern: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    cmd = [sys.executable, str(HERE), "--child", what, "--pattern", pattern, "--workers", str(args.workers),
+    cmd = [sys.executable, str(HERE), "--child", what, "--pattern", pattern, "--format", args.format,
+           "--workers", str(args.workers),
            "--batch-size", str(args.batch_size), "--io-concurrency", str(args.io_concurrency)]
     if args.no_shuffle:
         cmd.append("--no-shuffle")
@@ -167,24 +190,33 @@ def run_child(tree: str, what: str, pattern: str, args) -> dict:
 
 def run(args) -> dict:
     sys.path.insert(0, str(HERE.parent))
-    from shards import Data
-
     from aioload._tools.benchhttp import Server
 
-    data = Data(args.images, args.classes, args.shard_size)
+    if args.format == "parquet":
+        import parquet
+
+        data = parquet.Data(args.images, args.classes, args.rows_per_file, args.scale)
+        root = data.folder
+    else:
+        from shards import Data
+
+        data = Data(args.images, args.classes, args.shard_size)
+        root = data.shards
     trees = args.trees or [str(HERE.parent.parent)]
     results: dict = {tree: {"loader": [], "client": []} for tree in trees}
-    with_server = Server(data.shards, args.latency, mb_per_s=args.mb_per_s)
+    with_server = Server(root, args.latency, mb_per_s=args.mb_per_s)
     try:
-        pattern = data.pattern(with_server.base)
+        pattern = (json.dumps(data.urls(with_server.base)) if args.format == "parquet"
+                   else data.pattern(with_server.base))
         for r in range(args.rounds):
             order = trees if r % 2 == 0 else trees[::-1]
             for tree in order:
                 for what in args.measure:
-                    before = with_server.requests()
+                    before, cpu_before = with_server.requests(), with_server.cpu_seconds()
                     row = run_child(tree, what, pattern, args)
                     # every request of the child (its reads, and the few that set the dataset up), per sample read
                     row["requests_per_sample"] = (with_server.requests() - before) / row["samples"]
+                    row["server_ms_per_sample"] = 1e3 * (with_server.cpu_seconds() - cpu_before) / row["samples"]
                     results[tree][what].append(row)
                     shown = ", ".join(f"{k} {v:.4g}" for k, v in row.items())
                     print(f"  round {r + 1}/{args.rounds} {tree} {what}: {shown}", file=sys.stderr, flush=True)
@@ -198,11 +230,14 @@ def run(args) -> dict:
 
 def print_result(result: dict, args) -> None:
     order = "in order" if args.no_shuffle else "shuffled"
-    print(f"\n## Range requests: {args.images} images in shards of {args.shard_size}, {order}, behind "
+    data = (f"Parquet files of {args.rows_per_file} rows, a page an image (x{args.scale:g} make-data's sides)"
+            if args.format == "parquet" else f"shards of {args.shard_size}")
+    print(f"\n## Range requests: {args.images} images in {data}, {order}, behind "
           f"{args.latency:g} ms, {args.workers} workers, {args.io_concurrency} in flight, "
           f"{args.rounds} rounds (medians)\n")
     print(f"{'checkout':40} {'worker ms/sample':>17} {'main ms/sample':>15} {'samples/s':>10} {'req/sample':>11} "
-          f"{'client ms/read':>15} {'reads/s':>8} {'req/read':>9} {'KB/read':>8}")
+          f"{'server ms/sample':>17} {'client ms/read':>15} {'reads/s':>8} {'req/read':>9} {'KB/read':>8} "
+          f"{'server ms/read':>15}")
     for tree in result["trees"]:
         m = result["medians"][tree]
         loader, client = m.get("loader", {}), m.get("client", {})
@@ -211,9 +246,10 @@ def print_result(result: dict, args) -> None:
             return fmt.format(d[key]) if key in d else "-"
         print(f"{tree:40} {cell(loader, 'worker_ms_per_sample', '{:.4f}'):>17} "
               f"{cell(loader, 'main_ms_per_sample', '{:.4f}'):>15} {cell(loader, 'samples_per_s', '{:.0f}'):>10} "
-              f"{cell(loader, 'requests_per_sample', '{:.3f}'):>11} "
+              f"{cell(loader, 'requests_per_sample', '{:.3f}'):>11} {cell(loader, 'server_ms_per_sample', '{:.4f}'):>17} "
               f"{cell(client, 'client_ms_per_request', '{:.4f}'):>15} {cell(client, 'requests_per_s', '{:.0f}'):>8} "
-              f"{cell(client, 'requests_per_sample', '{:.3f}'):>9} {cell(client, 'kb_per_request', '{:.1f}'):>8}")
+              f"{cell(client, 'requests_per_sample', '{:.3f}'):>9} {cell(client, 'kb_per_request', '{:.1f}'):>8} "
+              f"{cell(client, 'server_ms_per_sample', '{:.4f}'):>15}")
 
 
 def main(argv=None) -> int:
@@ -221,6 +257,11 @@ def main(argv=None) -> int:
     parser.add_argument("--images", type=int, default=1600)
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--shard-size", type=int, default=40)
+    parser.add_argument("--format", choices=["shards", "parquet"], default="shards",
+                        help="the data: benchmarks/shards.py's shards (default) or benchmarks/parquet.py's files")
+    parser.add_argument("--rows-per-file", type=int, default=250, help="with --format parquet (default: 250)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="with --format parquet: each side of the photos that many times make-data's (default: 1)")
     parser.add_argument("--latency", type=float, default=20.0, help="the server's latency in ms (default: 20)")
     parser.add_argument("--mb-per-s", type=float, default=200.0, help="each response's pace (default: 200)")
     parser.add_argument("--workers", type=int, default=2)

@@ -1,5 +1,6 @@
 """benchmarks/range_cpu.py runs on its smallest settings, for this checkout and another given
-beside it, and reports both measurements for each.
+beside it, and reports both measurements for each, with the server's CPU beside them; over
+shards and over Parquet files (a page a row).
 
 Behaviour only (the rows, their fields, the JSON beside the table), never speed."""
 
@@ -27,4 +28,24 @@ def test_both_measurements_for_each_checkout(tmp_path):
         assert row["samples"] == 56  # every sample after the first batch
         assert all(positive(row[k]) for k in ("client_ms_per_request", "requests_per_s", "kb_per_request"))
         assert row["requests_per_sample"] <= 1.5
-    assert "worker ms/sample" in done.stdout and "client ms/read" in done.stdout
+    for row in rounds["loader"] + rounds["client"]:
+        assert positive(row["server_ms_per_sample"])
+    assert "worker ms/sample" in done.stdout and "client ms/read" in done.stdout and "server ms/read" in done.stdout
+
+
+@pytest.mark.timeout(400)
+def test_parquet_rows_each_cost_their_page(tmp_path):
+    args = ["--format", "parquet", "--images", "64", "--classes", "4", "--rows-per-file", "16", "--batch-size", "8",
+            "--latency", "5", "--rounds", "1", "--workers", "1", "--io-concurrency", "8"]
+    done, result = run_benchmark("range_cpu.py", args, tmp_path)
+    rounds = result["rounds"][str(ROOT)]
+    for row in rounds["loader"] + rounds["client"]:
+        assert row["samples"] == 56
+        assert positive(row["server_ms_per_sample"])
+    (client,) = rounds["client"]
+    assert positive(client["client_ms_per_request"])
+    # a row's image page (make-data's images: tens of KB), and one request a row beyond the few
+    # that set the dataset up (page indexes, small columns), never a row group's chunk
+    assert 5 < client["kb_per_request"] < 200
+    assert 1.0 <= client["requests_per_sample"] <= 1.6
+    assert "Parquet files of 16 rows" in done.stdout
