@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shard-size", type=int, default=40)
     parser.add_argument("--format", choices=["shards", "parquet"], default="shards",
                         help="the data: benchmarks/shards.py's shards (default) or benchmarks/parquet.py's files")
-    parser.add_argument("--rows-per-file", type=int, default=250, help="with --format parquet (default: 250)")
+    parser.add_argument("--rows-per-file", type=int, default=256, help="with --format parquet (default: 256, as parquet.py)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="with --format parquet: each side of the photos that many times make-data's (default: 1)")
     parser.add_argument("--latency", type=float, default=20.0, help="the server's latency in ms (default: 20)")
