@@ -123,3 +123,27 @@ def test_a_paced_body_sent_from_the_file_reaches_a_slow_reader_whole_and_in_orde
             assert status.startswith(b"HTTP/1.1 206")
             assert headers["content-range"] == f"bytes {first}-{last}/{len(DATA)}"
             assert body == DATA[first:last + 1]
+
+
+def test_a_body_larger_than_the_socket_takes_reaches_a_slow_reader_whole(tmp_path):
+    # 12 MB unpaced to a reader with a 4 KB receive buffer that waits before reading: sendfile
+    # fills the socket, and what it does not take goes through the transport (which then holds
+    # the rest back until the socket drains); each body arrives whole, the next answer after it
+    data = os.urandom(12 << 20)
+    (tmp_path / "big.bin").write_bytes(data)
+    with Server(tmp_path, latency_ms=2) as server:
+        host, port = server.base.split("/")[2].split(":")
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.settimeout(60)
+            sock.connect((host, int(port)))
+            reader = sock.makefile("rb")
+            for first, last in [(0, len(data) - 1), (5, 1000)]:
+                sock.sendall(f"GET /big.bin HTTP/1.1\r\nHost: x\r\nRange: bytes={first}-{last}\r\n\r\n".encode())
+                time.sleep(0.3)
+                assert reader.readline().startswith(b"HTTP/1.1 206")
+                headers = {}
+                while (line := reader.readline()) != b"\r\n":
+                    name, _, value = line.decode().partition(":")
+                    headers[name.lower()] = value.strip()
+                assert reader.read(int(headers["content-length"])) == data[first:last + 1]
