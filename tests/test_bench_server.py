@@ -101,28 +101,37 @@ def test_a_client_that_leaves_mid_body_leaves_the_server_serving(served):
         assert resp.read() == DATA
 
 
-def test_a_paced_body_sent_from_the_file_reaches_a_slow_reader_whole_and_in_order(served):
-    # a range of one pace piece (500 MB/s: 1 MB) goes out by sendfile after its head; a client
-    # with a small receive buffer that reads late gets each body whole, the second request's
-    # answer after the first's on the same connection
-    host, port = served.base.split("/")[2].split(":")
+def slow_reader_ranges(base: str, path: str, ranges: list[tuple[int, int]], wait_s: float) -> list:
+    """``(status line, headers, body)`` of a GET of each range of ``path``, one after another on
+    one connection whose receive buffer is 4 KB, each read only ``wait_s`` after it was asked."""
+    host, port = base.split("/")[2].split(":")
+    answers = []
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.settimeout(30)
+        sock.settimeout(60)
         sock.connect((host, int(port)))
         reader = sock.makefile("rb")
-        for first, last in [(5, 999_999), (1000, 1999)]:
-            sock.sendall(f"GET /sub/a.bin HTTP/1.1\r\nHost: x\r\nRange: bytes={first}-{last}\r\n\r\n".encode())
-            time.sleep(0.2)
+        for first, last in ranges:
+            sock.sendall(f"GET /{path} HTTP/1.1\r\nHost: x\r\nRange: bytes={first}-{last}\r\n\r\n".encode())
+            time.sleep(wait_s)
             status = reader.readline()
             headers = {}
             while (line := reader.readline()) != b"\r\n":
                 name, _, value = line.decode().partition(":")
                 headers[name.lower()] = value.strip()
-            body = reader.read(int(headers["content-length"]))
-            assert status.startswith(b"HTTP/1.1 206")
-            assert headers["content-range"] == f"bytes {first}-{last}/{len(DATA)}"
-            assert body == DATA[first:last + 1]
+            answers.append((status, headers, reader.read(int(headers["content-length"]))))
+    return answers
+
+
+def test_a_paced_body_sent_from_the_file_reaches_a_slow_reader_whole_and_in_order(served):
+    # a range of one pace piece (500 MB/s: 1 MB) goes out by sendfile after its head; a client
+    # with a small receive buffer that reads late gets each body whole, the second request's
+    # answer after the first's on the same connection
+    ranges = [(5, 999_999), (1000, 1999)]
+    for (first, last), (status, headers, body) in zip(ranges, slow_reader_ranges(served.base, "sub/a.bin", ranges, 0.2)):
+        assert status.startswith(b"HTTP/1.1 206")
+        assert headers["content-range"] == f"bytes {first}-{last}/{len(DATA)}"
+        assert body == DATA[first:last + 1]
 
 
 def test_a_body_larger_than_the_socket_takes_reaches_a_slow_reader_whole(tmp_path):
@@ -131,19 +140,9 @@ def test_a_body_larger_than_the_socket_takes_reaches_a_slow_reader_whole(tmp_pat
     # the rest back until the socket drains); each body arrives whole, the next answer after it
     data = os.urandom(12 << 20)
     (tmp_path / "big.bin").write_bytes(data)
+    ranges = [(0, len(data) - 1), (5, 1000)]
     with Server(tmp_path, latency_ms=2) as server:
-        host, port = server.base.split("/")[2].split(":")
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.settimeout(60)
-            sock.connect((host, int(port)))
-            reader = sock.makefile("rb")
-            for first, last in [(0, len(data) - 1), (5, 1000)]:
-                sock.sendall(f"GET /big.bin HTTP/1.1\r\nHost: x\r\nRange: bytes={first}-{last}\r\n\r\n".encode())
-                time.sleep(0.3)
-                assert reader.readline().startswith(b"HTTP/1.1 206")
-                headers = {}
-                while (line := reader.readline()) != b"\r\n":
-                    name, _, value = line.decode().partition(":")
-                    headers[name.lower()] = value.strip()
-                assert reader.read(int(headers["content-length"])) == data[first:last + 1]
+        answers = slow_reader_ranges(server.base, "big.bin", ranges, 0.3)
+    for (first, last), (status, _, body) in zip(ranges, answers):
+        assert status.startswith(b"HTTP/1.1 206")
+        assert body == data[first:last + 1]
