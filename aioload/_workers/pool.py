@@ -17,9 +17,11 @@ import multiprocessing as mp
 import multiprocessing.reduction
 import os
 import pickle
+import select
 import socket
 import sys
 import time
+import warnings
 import weakref
 
 from aioload._workers import wire as _wire
@@ -30,7 +32,7 @@ from aioload._workers.messages import (CancelReads, Done, Fetched, FetchShard, I
 from aioload._handoff import shared as _shared
 from aioload._handoff.shm import Segment, recv_fd, send_fd
 from aioload._workers.template import ForkedWorker, Template, unavailable
-from aioload._workers.worker import PROGRESS_ID, SLOT_HEADER, WorkerConfig, worker_main
+from aioload._workers.worker import FORKED, PROGRESS_ID, SLOT_HEADER, WorkerConfig, worker_main
 
 PER_WORKER_TASKS = 2
 """Tasks queued on one worker by default (torch's ``prefetch_factor``, which sets it): one
@@ -52,6 +54,12 @@ def choose_context(multiprocessing_context) -> mp.context.BaseContext:
 
 
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+
+FORK_START_S = 20.0
+"""How long a forked worker may take to begin running (its :data:`~aioload._workers.worker.FORKED`
+byte) before it is taken for stuck in the fork; a fork's child begins within milliseconds."""
+FORK_TRIES = 3
+"""Forks of one worker before the pool gives up on one that stays stuck in the fork."""
 """Every pool of this process: a worker forked for one pool closes the others' sockets too."""
 
 
@@ -82,49 +90,95 @@ class WorkerPool:
         for cell in range(2 * num_workers):
             self.progress[cell] = -1
         method = context.get_start_method()
-        forking = method == "fork"
-        others = [sock for pool in list(_LIVE_POOLS) if not pool.closed for sock in pool.sockets()]
+        self.forking = method == "fork"
         self.template: Template | None = None
         try:
             self.start_method = self._start_template(cfg, context, method)
             for wid in range(num_workers):
-                parent, child = socket.socketpair()
-                cparent, cchild = socket.socketpair()
-                # A forked worker closes every parent end it inherits, its own, its siblings'
-                # and other loaders' pools', so that every worker's socket reports end-of-stream
-                # as soon as the loader's process is gone, even if it was killed.
-                inherited = tuple(others + self.socks + self.ctrls + [parent, cparent]) if forking else ()
-                if self.template is not None:
-                    self.template.fork(wid, child, cchild)
-                    proc: mp.process.BaseProcess | ForkedWorker = ForkedWorker(self.template, wid)
-                else:
-                    proc = context.Process(
-                        target=worker_main,
-                        args=(wid, cfg, child, cchild, inherited, os.getpid()),
-                        name=f"aioload-worker-{wid}",
-                    )
-                    try:
-                        proc.start()  # spawn and forkserver pickle cfg here, fork does not
-                    except BaseException as exc:
-                        for sock in (parent, child, cparent, cchild):
-                            sock.close()
-                        if isinstance(exc, (pickle.PicklingError, AttributeError, TypeError)):
-                            raise _unsendable(cfg, context, exc) or exc
-                        raise
-                child.close()
-                cchild.close()
-                try:
-                    send_fd(cparent, self.progress_memory.fd, SLOT_HEADER.pack(PROGRESS_ID, self.progress_memory.size))
-                except OSError:
-                    pass  # its template died first: its task socket reports that
-                parent.setblocking(False)
+                proc, parent, cparent = self._start_worker(cfg, wid)
                 self.procs.append(proc)
                 self.socks.append(parent)
                 self.ctrls.append(cparent)
+            if self.forking:
+                self._check_forked(cfg)
         except BaseException:
             self.close()
             raise
         _LIVE_POOLS.add(self)
+
+    def _start_worker(self, cfg: WorkerConfig, wid: int):
+        """Start worker ``wid``: ``(process, its task socket, its control socket)``."""
+        parent, child = socket.socketpair()
+        cparent, cchild = socket.socketpair()
+        if self.template is not None:
+            self.template.fork(wid, child, cchild)
+            proc: mp.process.BaseProcess | ForkedWorker = ForkedWorker(self.template, wid)
+        else:
+            # A forked worker closes every parent end it inherits, its own, its siblings'
+            # and other loaders' pools', so that every worker's socket reports end-of-stream
+            # as soon as the loader's process is gone, even if it was killed.
+            others = [sock for pool in list(_LIVE_POOLS) if not pool.closed for sock in pool.sockets()]
+            inherited = tuple(others + self.socks + self.ctrls + [parent, cparent]) if self.forking else ()
+            proc = self.context.Process(
+                target=worker_main,
+                args=(wid, cfg, child, cchild, inherited, os.getpid(), self.forking),
+                name=f"aioload-worker-{wid}",
+            )
+            try:
+                proc.start()  # spawn and forkserver pickle cfg here, fork does not
+            except BaseException as exc:
+                for sock in (parent, child, cparent, cchild):
+                    sock.close()
+                if isinstance(exc, (pickle.PicklingError, AttributeError, TypeError)):
+                    raise _unsendable(cfg, self.context, exc) or exc
+                raise
+        child.close()
+        cchild.close()
+        try:
+            send_fd(cparent, self.progress_memory.fd, SLOT_HEADER.pack(PROGRESS_ID, self.progress_memory.size))
+        except OSError:
+            pass  # its template died first: its task socket reports that
+        if not self.forking:
+            parent.setblocking(False)
+        return proc, parent, cparent
+
+    def _check_forked(self, cfg: WorkerConfig) -> None:
+        """Wait until every forked worker has begun to run (its first byte, :data:`FORKED`,
+        sent before anything else it does), at most :data:`FORK_START_S` a try. A worker that
+        has not is stuck in the fork itself: a lock another thread of this process held at the
+        fork stays held in the child, and CPython before 3.11.8 (gh-112275) takes one after
+        every fork (a thread of another library creating its Python thread state at that
+        moment: DDP's gloo threads did). It is killed and forked again, :data:`FORK_TRIES`
+        times at most; a worker that died instead is left to be reported as a crash."""
+        waiting = set(range(len(self.procs)))
+        for attempt in range(1, FORK_TRIES + 1):
+            deadline = time.monotonic() + FORK_START_S
+            while waiting and (left := deadline - time.monotonic()) > 0:
+                ready, _, _ = select.select([self.socks[wid] for wid in waiting], [], [], left)
+                for sock in ready:
+                    sock.recv(len(FORKED))  # the byte, or b"" from a worker that died: a crash, reported later
+                    waiting.discard(self.socks.index(sock))
+            for wid in sorted(waiting):
+                proc = self.procs[wid]
+                proc.kill()
+                proc.join(5)
+                self.socks[wid].close()
+                self.ctrls[wid].close()
+                if attempt == FORK_TRIES:
+                    raise RuntimeError(
+                        f"aioload worker {wid} was forked {FORK_TRIES} times and each time its process stayed "
+                        f"stuck in the fork for {FORK_START_S:g} s, before running any code: a lock that another "
+                        "thread of this process held at the fork stays held in the child (CPython before 3.11.8 "
+                        "takes one after every fork, gh-112275). Upgrade Python, or start the workers without "
+                        "fork: multiprocessing_context='forkserver'")
+                warnings.warn(f"aioload worker {wid} stayed stuck in the fork for {FORK_START_S:g} s before running "
+                              "any code (a lock another thread held at the fork; CPython before 3.11.8 takes one, "
+                              "gh-112275): it was killed and forked again", RuntimeWarning, stacklevel=2)
+                self.procs[wid], self.socks[wid], self.ctrls[wid] = self._start_worker(cfg, wid)
+            if not waiting:
+                break
+        for sock in self.socks:
+            sock.setblocking(False)
 
     def _start_template(self, cfg: WorkerConfig, context, method: str) -> str:
         """Start the template the workers are forked from (:mod:`aioload._workers.template`)

@@ -525,9 +525,17 @@ def _receive_progress(ctrl):
     return memory, memoryview(memory.map).cast("q")
 
 
-def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=(), parent: int | None = None) -> None:
+FORKED = b"\x01"
+"""The first byte a worker forked from the training process sends: it is running."""
+
+
+def worker_main(worker_id: int, cfg: WorkerConfig, sock, ctrl, inherited=(), parent: int | None = None,
+                forked: bool = False) -> None:
     """Entry point of a worker process; ``parent``: the loader's process, which it never outlives
-    (:func:`aioload._workers.parent.exit_with`: a worker stuck in a decode would not see its socket close)."""
+    (:func:`aioload._workers.parent.exit_with`: a worker stuck in a decode would not see its socket close);
+    ``forked``: forked from the training process, whose pool waits for :data:`FORKED` first."""
+    if forked:
+        sock.sendall(FORKED)  # out of the fork: the pool takes a worker that never says so for stuck in it
     # Everything this process starts with (a fork worker: the training process's objects, torch
     # and the dataset among them; else the template's or the unpickled configuration) is out of
     # the garbage collector's sight from here on: a full collection no longer walks those
