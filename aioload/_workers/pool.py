@@ -54,13 +54,13 @@ def choose_context(multiprocessing_context) -> mp.context.BaseContext:
 
 
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+"""Every pool of this process: a worker forked for one pool closes the others' sockets too."""
 
 FORK_START_S = 20.0
 """How long a forked worker may take to begin running (its :data:`~aioload._workers.worker.FORKED`
 byte) before it is taken for stuck in the fork; a fork's child begins within milliseconds."""
 FORK_TRIES = 3
 """Forks of one worker before the pool gives up on one that stays stuck in the fork."""
-"""Every pool of this process: a worker forked for one pool closes the others' sockets too."""
 
 
 class WorkerPool:
