@@ -290,7 +290,7 @@ class FilePages:
                                  f"chunk's bytes [{chunk.start}, {end})")
         return offsets, sizes, firsts
 
-    def _page(self, index: tuple[int, bytes], group: int, leaf: int, row: int) -> int:
+    def page_of(self, index: tuple[int, bytes], group: int, leaf: int, row: int) -> int:
         """The page of a chunk that holds row ``row`` (its first rows bisected, as a list: a
         numpy search on one value costs more than the whole bisect)."""
         firsts = self._firsts.get((group, leaf))
@@ -312,7 +312,7 @@ class FilePages:
         if chunk.length <= SMALL:
             return [((group, leaf.index, "chunk"), chunk.start, chunk.length)]
         offsets, sizes, _ = self.pages(index, group, leaf.index)
-        page = self._page(index, group, leaf.index, row)
+        page = self.page_of(index, group, leaf.index, row)
         out = [((group, leaf.index, page), int(offsets[page]), int(sizes[page]))]
         if chunk.dictionary is not None and (chunk.dict_pages is None or page < chunk.dict_pages):
             out.append(self.dictionary(group, leaf.index))
@@ -332,7 +332,7 @@ class FilePages:
         """``(page offset in the file, first row of that page, its rows)`` of row ``row``'s page
         of ``leaf``."""
         offsets, _, firsts = self.pages(index, group, leaf.index)
-        page = self._page(index, group, leaf.index, row)
+        page = self.page_of(index, group, leaf.index, row)
         return int(offsets[page]), int(firsts[page]), self.page_rows(index, group, leaf.index, page)
 
 

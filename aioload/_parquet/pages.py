@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any, SupportsInt
 
-
 from aioload._parquet.pageindex import FilePages, Leaf
 from aioload._parquet.rowgroups import RowGroupCache
 from aioload._parquet.values import Entries, column_value, dictionary, leaf_value, needs_dictionary, page_values
@@ -84,14 +83,11 @@ class RowPages:
                     entries = _entries(whole, chunk.dictionary - whole.offset, chunk.codec, leaf)
                 decoded = whole.decoded[at] = page_values(whole.data, at, chunk.codec, leaf, entries, rows)
             return decoded[self.row - first]
-        page = self.pieces[self.group, leaf.index, self._page(plan, leaf)]
+        page = self.pieces[self.group, leaf.index, plan.page_of(self.index, self.group, leaf.index, self.row)]
         found = self.pieces.get((self.group, leaf.index, "dict"))
         if found is not None:
             entries = _entries(found, 0, chunk.codec, leaf)
         return leaf_value(page.data, 0, chunk.codec, self.row - first, leaf, entries, rows)
-
-    def _page(self, plan: FilePages, leaf: Leaf) -> int:
-        return plan._page(self.index, self.group, leaf.index, self.row)
 
     def value(self, plan: FilePages, column: str) -> Any:
         """The row's value of a column read by page."""

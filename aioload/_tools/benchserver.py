@@ -214,7 +214,7 @@ class _Connection(asyncio.Protocol):
     def _send_file(self, status: int, headers: dict, file: Path, start: int, n: int) -> bool:
         """The head, then ``n`` bytes of ``file`` from ``start`` (:meth:`_write_from`). False:
         the file is shorter."""
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # never a symlink put in its place
+        fd = _open(file)
         try:
             self._send(status, headers)
             return self._write_from(fd, start, n) == n
@@ -256,7 +256,7 @@ class _Connection(asyncio.Protocol):
         instead (:meth:`_send_file`)."""
         rate, piece = self.served.bytes_per_s, self.served.piece
         began = self.loop.time()
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # never a symlink put in its place
+        fd = _open(file)
         try:
             pos = start
             while pos < end:
@@ -275,6 +275,11 @@ class _Connection(asyncio.Protocol):
                 pos += wrote
         finally:
             os.close(fd)
+
+
+def _open(file: Path) -> int:
+    """A descriptor to read ``file``, never a symlink put in its place."""
+    return os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
 
 
 def serve(root: str, latency_ms: float, max_seconds: float, parent: int, mb_per_s: float = 0.0) -> None:
