@@ -1,4 +1,4 @@
-"""Receive buffers reused once nobody holds them (``h1.Buffers``): a buffer the caller still
+"""Receive buffers reused once nobody holds them (``aioload._storage.buffers.Buffers``): a buffer the caller still
 holds -- itself, a view of it, a part of it -- is never given to another body; one let go of
 is, at the size asked; over the real HTTP server each body keeps its own bytes."""
 
@@ -9,7 +9,7 @@ import gc
 
 import aioload
 from aioload._data.reads import BufferPart
-from aioload._storage import h1
+from aioload._storage.buffers import Buffers
 from aioload._storage import scope as _scope
 from aioload._storage.storage import read_buffer
 from tests.httpserver import Server
@@ -17,7 +17,7 @@ from tests.resources import fd_count
 
 
 def test_a_held_buffer_is_never_given_again_and_one_let_go_of_is():
-    buffers = h1.Buffers()
+    buffers = Buffers()
     first = buffers.take(1000)
     second = buffers.take(1000)
     assert first is not second and len(first) == len(second) == 1000
@@ -41,7 +41,7 @@ def test_a_held_buffer_is_never_given_again_and_one_let_go_of_is():
 
 
 def test_a_buffer_too_far_from_the_size_asked_is_not_reused():
-    buffers = h1.Buffers()
+    buffers = Buffers()
     small = buffers.take(100)
     kept = id(small)
     del small

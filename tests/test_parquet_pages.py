@@ -159,3 +159,29 @@ def test_a_corrupt_page_fails_its_row_naming_the_file_row_and_column(written, sa
     with aioload.DataLoader(ds, batch_size=4, num_workers=2, collate_fn=as_list, on_error="skip") as dl:
         assert len([r for b in dl for r in b]) == len(samples) - 1
         assert list(dl.stats().skipped) == [2]
+
+
+def test_a_page_is_let_go_once_every_row_of_it_has_been_read(written, tmp_path):
+    """An epoch reads a row once: a page whose rows have all been read in this process leaves
+    its cache (a page of one image as soon as its row is read), and one with a row still to
+    come stays. Counted in requests to the HTTP server: a row of a page let go costs one more."""
+    folder = tmp_path / "www-src"
+    folder.mkdir()
+    os.link(written["3 rows a page, no compression, no dictionary"], folder / "three.parquet")
+    os.link(written["a page a row, zstd"], folder / "one.parquet")
+    with serving_copy(folder, tmp_path) as server:
+        three, one = (aioload.Parquet(server.url(name), columns=["image"], decode=lambda row: row,
+                                      storage=aioload.Storage(retry=RETRY))
+                      for name in ("three.parquet", "one.parquet"))
+
+        def requests(ds, row: int) -> int:
+            before = len(server.ranges)
+            assert plain(ds[row]) == reference([str(folder / Path(ds.urls[0]).name)], ["image"])[row]
+            return len(server.ranges) - before
+
+        assert requests(three, 0) >= 1  # the page index, the path chunk, the page of rows 0-2
+        assert requests(three, 1) == 0 and requests(three, 2) == 0  # the page stays while a row of it is to come
+        assert requests(three, 0) == 1  # all three read: it was let go
+        assert requests(three, 4) == 1 and requests(three, 4) == 0  # rows 3 and 5 to come: kept
+        assert requests(one, 6) >= 1 and requests(one, 7) == 1
+        assert requests(one, 6) == 1  # a page of one row goes as soon as its row is read

@@ -26,11 +26,12 @@ from aioload._storage.storage import Storage, read_buffer
 class Piece:
     """Fetched bytes of a file: ``data`` from byte ``offset``; ``nbytes``, its weight in a cache;
     ``decoded``: a small chunk's pages decoded whole, by their position in ``data``, and a
-    dictionary page's entries (key ``("dict", position)``)."""
+    dictionary page's entries (key ``("dict", position)``); ``uses``: the rows read from it."""
 
     def __init__(self, offset: int, data: Any):
         self.offset, self.data, self.nbytes = offset, data, len(data)
         self.decoded: dict[Any, list] = {}
+        self.uses = 0
 
 
 async def fetch_piece(storage: Storage, url: str, offset: int, length: int) -> Piece:
@@ -111,7 +112,16 @@ def _unannounced_dictionary(plan: FilePages, group: int, leaf: Leaf, pieces: dic
 
 class PageReader:
     """The pages of one dataset's files, fetched and kept in this process: the page index of
-    each file (once) and the pages rows need (bounded by ``max_bytes``)."""
+    each file (once) and the pages rows need (bounded by ``max_bytes``).
+
+    A data page leaves the cache once this process has read every one of its rows: an epoch
+    reads a row once, so such a page would not be asked for again before the next epoch, and
+    held it would only push out pages whose rows are still to come. A page of one row (an
+    image, say) goes as soon as its row is read; its buffer is read into again once the row is
+    decoded (:class:`~aioload._storage.buffers.Buffers`), where kept it took fresh memory for
+    every row until the cache was full (``max_bytes`` of pages no row would ask for again in
+    the epoch, and a fresh buffer faulted in for each). Dictionary pages and small chunks serve
+    many rows and stay while the cache has room."""
 
     def __init__(self, max_bytes: SupportsInt):
         self.max_bytes = max_bytes
@@ -156,7 +166,16 @@ class PageReader:
                 if (piece := self._piece_now(storage, url, f, key, offset, length)) is None:
                     return None
                 pieces[key] = piece
+        self._used(f, index, plan, group, pieces)
         return RowPages(group, row, index, pieces)
+
+    def _used(self, f: int, index: tuple[int, Any], plan: FilePages, group: int, pieces: dict[Any, Piece]) -> None:
+        """A row has been read from ``pieces``: its data pages whose every row has now been read
+        here leave the cache."""
+        for key, piece in pieces.items():
+            page = key[2]
+            if type(page) is int:  # a data page (not "chunk" nor "dict")
+                self.pages.used((f, key), piece, plan.page_rows(index, group, key[1], page))
 
     def _piece_now(self, storage: Storage, url: str, f: int, key: Any, offset: int, length: int) -> Piece | None:
         """A piece held, or read from the page cache now (and kept); ``None``: it must be waited for."""
@@ -184,6 +203,7 @@ class PageReader:
             extra = _unannounced_dictionary(plan, group, leaf, pieces)
             if extra is not None:
                 pieces[extra[0]] = await self._get(storage, url, f, *extra)
+        self._used(f, index, plan, group, pieces)
         return RowPages(group, row, index, pieces)
 
     async def _get(self, storage: Storage, url: str, f: int, key: Any, offset: int, length: int) -> Piece:

@@ -240,6 +240,15 @@ class RowGroupCache(Generic[T]):
         pending.set_result(chunks)
         return chunks
 
+    def used(self, key: Hashable, entry: Any, rows: int) -> None:
+        """One more row has been read from ``entry`` (which counts them in ``entry.uses``): once
+        ``rows`` have, it leaves the cache, where it is still the one held for ``key``."""
+        with self._lock:
+            entry.uses += 1
+            if entry.uses >= rows and self._done.get(key) is entry:
+                del self._done[key]
+                self._weight -= entry.nbytes
+
     def put(self, key: Hashable, chunks: T) -> None:
         """Keep ``chunks`` (fetched by the caller: a read that needed no wait), dropping the
         least recently used past ``max_bytes``."""

@@ -5,7 +5,7 @@ memory) and ``diskcache`` (a shared folder), ``mounts`` (which local paths are n
 systems), ``scope`` (pools and clients that live as long as an event loop), ``versioned`` (files kept
 per version of a file elsewhere: indexes, footers), ``cachedir`` (the folder they and generated
 data live in, ``$AIOLOAD_CACHE``), ``nowait`` (local reads answered from the page cache
-in the calling thread), ``arrived``
+in the calling thread), ``buffers`` (buffers read into, reused once nobody holds them), ``arrived``
 (bytes a read received beyond those it returns, for the statistics) and ``redact`` (URLs as
 messages show them, without credentials).
 """

@@ -31,9 +31,10 @@ import asyncio
 import re
 import select
 import ssl as _ssl
-import sys
 import time
 from urllib.parse import quote, unquote, urlsplit
+
+from aioload._storage.buffers import Buffers
 
 HEAD_LIMIT = 64 * 1024
 """The largest response head (status line and headers) accepted, in bytes; also the
@@ -43,14 +44,6 @@ LINE_LIMIT = 8 * 1024  # a chunk-size or trailer line
 BODY_START = 1 << 20
 """The most bytes a body of known length is given before any of them arrives; its buffer
 doubles from there as it fills."""
-REUSED = 128
-"""The most receive buffers one :class:`Pool` keeps for reuse (:class:`Buffers`): about the
-requests a worker has in flight."""
-REUSED_MOST = 16 << 20
-"""The most bytes of receive buffers one :class:`Pool` keeps for reuse."""
-REUSED_LOOK = 8
-"""Kept buffers looked at for a free one per body, at most: where every buffer is held (the
-worker's reads waiting to be decoded outnumber them) a new one costs less than a longer look."""
 IDLE_S = 15.0
 """How long an idle keep-alive connection is kept for reuse."""
 
@@ -132,59 +125,6 @@ def content_length(value: str | None) -> int | None:
     if len(values) != 1 or not (digits.isascii() and digits.isdigit()) or len(digits) > _LENGTH_DIGITS:
         raise ProtocolError(f"invalid Content-Length {value[:40]!r}")
     return int(digits)
-
-
-def _refs_when_free() -> int:
-    """``sys.getrefcount`` of a buffer that only a list holds, read as :class:`Buffers` reads
-    it (in a loop over the list): the count differs between Python versions."""
-    kept = [bytearray(1)]
-    for buf in kept:
-        return sys.getrefcount(buf)
-    return 0
-
-
-_FREE = _refs_when_free()
-
-
-class Buffers:
-    """Receive buffers for bodies of known length up to :data:`BODY_START` bytes, reused once
-    nothing but this object holds them: a body's ``bytearray`` goes to the caller, and comes
-    back into use when the caller (and every view of it, every part of it still to be taken
-    apart) has let go of it, which its reference count tells. A fresh buffer for each range
-    request cost the worker more than the request's Python: the allocator gave its pages back
-    and faulted them in again, zeroed (py-spy: 18 % of a 72 KB ranged GET's CPU in
-    ``bytearray(n)``). At most :data:`REUSED` buffers and :data:`REUSED_MOST` bytes are kept;
-    :data:`REUSED_LOOK` of them are looked at in turn, from the one after the last reused (they
-    tend to be let go of in the order they were taken)."""
-
-    __slots__ = ("_kept", "_bytes", "_next")
-
-    def __init__(self) -> None:
-        self._kept: list[bytearray] = []
-        self._bytes = 0
-        self._next = 0
-
-    def take(self, n: int) -> bytearray:
-        """A buffer of exactly ``n`` bytes (its old bytes left in it: the caller writes them all)."""
-        kept = self._kept
-        count = len(kept)
-        for step in range(min(count, REUSED_LOOK)):
-            at = (self._next + step) % count
-            buf = kept[at]
-            if sys.getrefcount(buf) == _FREE and n // 2 <= len(buf) <= 2 * n:
-                self._next = at + 1
-                self._bytes += n - len(buf)
-                if len(buf) > n:
-                    del buf[n:]
-                elif len(buf) < n:
-                    buf.extend(bytes(n - len(buf)))
-                return buf
-        self._next = (self._next + REUSED_LOOK) % count if count else 0  # look further on next time
-        buf = bytearray(n)
-        if count < REUSED and self._bytes + n <= REUSED_MOST:
-            kept.append(buf)
-            self._bytes += n
-        return buf
 
 
 class Connection(asyncio.BufferedProtocol):

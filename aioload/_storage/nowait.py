@@ -11,7 +11,8 @@ file system does not support the flag (not Linux, or ``EOPNOTSUPP``), it is not 
 
 File descriptors are kept open, at most :data:`MAX_OPEN` per reader (the least recently used
 closed first), and closed with the reader; a copy of a reader (a spawned worker's) starts with
-none. A file replaced on disk (written again and renamed) is read as it was when first opened,
+none. The bytes are read into buffers the reader takes again once nothing else holds them
+(:class:`~aioload._storage.buffers.Buffers`). A file replaced on disk (written again and renamed) is read as it was when first opened,
 which for a Parquet file is the file its footer was read from.
 """
 
@@ -22,6 +23,7 @@ import threading
 import weakref
 from collections import OrderedDict
 
+from aioload._storage.buffers import Buffers
 from aioload._storage.storage import Storage, locate
 
 MAX_OPEN = 64
@@ -43,6 +45,7 @@ class NoWait:
     def __init__(self):
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
+        self._buffers = Buffers()  # taken under the lock
         self.supported = _FLAG is not None and hasattr(os, "preadv")
         self._finalizer = weakref.finalize(self, _close, self._fds)
 
@@ -65,11 +68,11 @@ class NoWait:
         kind, path = locate(target)
         if kind != "local" or storage._cache_for(kind) is not None:
             return None
-        buffer = bytearray(length)
         with self._lock:
             fd = self._fd(path)
             if fd is None:
                 return None
+            buffer = self._buffers.take(length)
             try:
                 got = os.preadv(fd, [buffer], offset, _FLAG)
             except BlockingIOError:
