@@ -1,6 +1,7 @@
-"""Receive buffers reused once nobody holds them (``aioload._storage.buffers.Buffers``): a buffer the caller still
-holds -- itself, a view of it, a part of it -- is never given to another body; one let go of
-is, at the size asked; over the real HTTP server each body keeps its own bytes."""
+"""Receive buffers reused once nobody holds them (``aioload._storage.buffers.Buffers``): a
+buffer the caller still holds -- itself, a view of it, a part of it -- is never given to another
+body; one let go of is, at the size asked; over the real HTTP server each body keeps its own
+bytes."""
 
 from __future__ import annotations
 

@@ -293,16 +293,20 @@ class FilePages:
     def page_of(self, index: tuple[int, bytes], group: int, leaf: int, row: int) -> int:
         """The page of a chunk that holds row ``row`` (its first rows bisected, as a list: a
         numpy search on one value costs more than the whole bisect)."""
-        firsts = self._firsts.get((group, leaf))
-        if firsts is None:
-            firsts = self._firsts[group, leaf] = self.pages(index, group, leaf)[2].tolist()
-        return bisect.bisect_right(firsts, row) - 1
+        return bisect.bisect_right(self._first_rows(index, group, leaf), row) - 1
 
     def page_rows(self, index: tuple[int, bytes], group: int, leaf: int, page: int) -> int:
         """How many rows the page index gives page ``page`` of a chunk."""
-        firsts = self.pages(index, group, leaf)[2]
-        end = self.rows[group] if page + 1 == len(firsts) else int(firsts[page + 1])
-        return end - int(firsts[page])
+        firsts = self._first_rows(index, group, leaf)
+        end = self.rows[group] if page + 1 == len(firsts) else firsts[page + 1]
+        return end - firsts[page]
+
+    def _first_rows(self, index: tuple[int, bytes], group: int, leaf: int) -> list[int]:
+        """Each page's first row, as a list (made once a chunk)."""
+        firsts = self._firsts.get((group, leaf))
+        if firsts is None:
+            firsts = self._firsts[group, leaf] = self.pages(index, group, leaf)[2].tolist()
+        return firsts
 
     def pieces(self, index: tuple[int, bytes], group: int, row: int, leaf: Leaf) -> list[tuple[Any, int, int]]:
         """``(key, offset, length)`` of what row ``row`` of row group ``group`` needs of

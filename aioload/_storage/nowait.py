@@ -12,8 +12,9 @@ file system does not support the flag (not Linux, or ``EOPNOTSUPP``), it is not 
 File descriptors are kept open, at most :data:`MAX_OPEN` per reader (the least recently used
 closed first), and closed with the reader; a copy of a reader (a spawned worker's) starts with
 none. The bytes are read into buffers the reader takes again once nothing else holds them
-(:class:`~aioload._storage.buffers.Buffers`). A file replaced on disk (written again and renamed) is read as it was when first opened,
-which for a Parquet file is the file its footer was read from.
+(:class:`~aioload._storage.buffers.Buffers`). A file replaced on disk (written again and
+renamed) is read as it was when first opened, which for a Parquet file is the file its footer
+was read from.
 """
 
 from __future__ import annotations
