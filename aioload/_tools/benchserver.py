@@ -17,9 +17,11 @@ headers alone; ``--mb-per-s`` paces each response's body to that rate (a store's
 bandwidth; 0, the default: as fast as the socket takes it): each piece of 2 ms of the pace is
 written once the pace has reached its end, and a body of one piece goes right after its head,
 once the round trip and the pace have both passed. Bodies go from the file to the socket by
-``os.sendfile`` (no copy through this process) while the socket takes them: a page-sized
-response costs the server one timer, one write and one ``sendfile`` (about 50 µs of CPU for
-139 KB, against 95 µs when its bytes went through Python). ``GET /__requests__`` answers how
+``os.sendfile`` (no copy through this process) while the socket takes them, from a descriptor
+kept open per file: a page-sized response costs the server one ``stat``, one timer callback
+(no task), one write and one ``sendfile`` (40-45 µs of CPU for 139 KB with 64 requests in
+flight, against 49-57 µs with a task, a sleep and an ``open`` per request, and 95 µs when its
+bytes went through Python). ``GET /__requests__`` answers how
 many requests for files it has had (for requests per sample), ``GET /__cpu__`` the CPU seconds
 this process has used so far (every thread: the bench takes the difference over its measured
 interval, the share of the CPUs the server took from the loaders it shares them with). Neither
@@ -75,22 +77,62 @@ def served_files(root: Path) -> dict[str, Path]:
 
 class _Files:
     """What is served: the regular files under the root at start, by their relative path;
-    ``count`` is the number of requests for files so far (GET and HEAD)."""
+    ``count`` is the number of requests for files so far (GET and HEAD). A file is opened once
+    and its descriptor kept while the path names the same file (its device, inode, size and
+    modification time, checked by a ``stat`` per request): a file replaced or changed is opened
+    again, never through a symlink put in its place."""
 
     def __init__(self, root: str, latency_s: float, bytes_per_s: float):
         base = Path(root)
-        self.files = served_files(base)
+        self.files = {name: str(path) for name, path in served_files(base).items()}
         self.latency_s = latency_s
         self.bytes_per_s = bytes_per_s
         # bytes written at once: what the pace sends in a slice (at least a chunk), or unpaced a piece
         self.piece = max(_PACE_CHUNK, int(bytes_per_s * _PACE_SLICE_S)) if bytes_per_s else _PIECE
         self.count = 0
+        self._open: dict[str, tuple[tuple, int, str]] = {}  # path: (its stat's identity, descriptor, ETag)
+
+    def open(self, path: str) -> tuple[int, int, str]:
+        """``(descriptor, size, ETag)`` of the served file ``path`` (the process keeps the
+        descriptor: the caller does not close it)."""
+        st = os.stat(path)
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        known = self._open.get(path)
+        if known is not None and known[0] == key:
+            return known[1], st.st_size, known[2]
+        if known is not None:
+            del self._open[path]
+            os.close(known[1])
+        fd = _open(path)
+        etag = f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
+        self._open[path] = (key, fd, etag)
+        return fd, st.st_size, etag
+
+    def close(self) -> None:
+        for _, fd, _ in self._open.values():
+            os.close(fd)
+        self._open.clear()
+
+
+_REASONS = {status.value: status.phrase for status in HTTPStatus}
+
+
+class _Answer:
+    """What a request is answered with, once its time has come: the head, and ``n`` bytes of
+    the file ``fd`` from ``start`` (``n == 0``: the head alone); ``paced``: a body of more than
+    one piece, sent by :meth:`_Connection._body`; ``keep``: the connection carries the next
+    request after it."""
+
+    __slots__ = ("head", "fd", "start", "n", "paced", "keep")
+
+    def __init__(self, head: bytes, keep: bool, fd: int = -1, start: int = 0, n: int = 0, paced: bool = False):
+        self.head, self.keep, self.fd, self.start, self.n, self.paced = head, keep, fd, start, n, paced
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection: each request is answered ``latency_s`` after it arrived, one at
-    a time and in order; the body is read from the file piece by piece (paced when asked),
-    never faster than the client takes it."""
+    """One client connection: each request is answered ``latency_s`` after it arrived (a timer
+    on the loop), one at a time and in order; the body is sent from the file (paced when
+    asked), never faster than the client takes it."""
 
     def __init__(self, served: _Files):
         self.served = served
@@ -100,6 +142,7 @@ class _Connection(asyncio.Protocol):
         self.busy = False  # a request is being answered
         self.writable = asyncio.Event()
         self.writable.set()
+        self._held: _Answer | None = None  # an answer due while the socket took no more
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -113,6 +156,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.transport = None
+        self._held = None
         self.writable.set()  # a body being sent stops at its next piece
 
     def pause_writing(self) -> None:
@@ -120,6 +164,9 @@ class _Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.writable.set()
+        held, self._held = self._held, None
+        if held is not None:
+            self._send_answer(held)
 
     def _next(self) -> None:
         if self.busy or self.transport is None:
@@ -129,22 +176,20 @@ class _Connection(asyncio.Protocol):
             return
         head, self.buf = self.buf[:end].decode("latin-1"), self.buf[end + 4:]
         self.busy = True
-        self.loop.create_task(self._answer(head, self.loop.time()))
-
-    async def _answer(self, head: str, arrived: float) -> None:
+        arrived = self.loop.time()
         try:
-            keep = await self._respond(head, arrived)
-        except (ConnectionError, OSError):
-            keep = False
-        if self.transport is None:
-            return
-        if not keep:
+            answer, delay = self._answer(head)
+        except OSError:  # the file could not be opened (a symlink put in its place)
             self.transport.close()
             return
-        self.busy = False
-        self._next()
+        when = arrived + delay
+        if delay <= 0 or when <= self.loop.time():
+            self._send_answer(answer)
+        else:
+            self.loop.call_at(when, self._send_answer, answer)
 
-    async def _respond(self, head: str, arrived: float) -> bool:
+    def _answer(self, head: str) -> tuple[_Answer, float]:
+        """The answer to the request ``head``, and how long after its arrival it goes out."""
         lines = head.split("\r\n")
         parts = lines[0].split(" ")
         fields = {}
@@ -152,26 +197,21 @@ class _Connection(asyncio.Protocol):
             name, _, value = line.partition(":")
             fields[name.strip().lower()] = value.strip()
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            self._send(400, {"Content-Length": "0", "Connection": "close"})
-            return False
+            return _Answer(_head(400, {"Content-Length": "0", "Connection": "close"}), False), 0.0
         method, target, version = parts
         keep = "close" not in fields.get("connection", "").lower() and version == "HTTP/1.1"
         path = unquote(urlsplit(target).path).lstrip("/")
         if method == "GET" and path in (COUNT_PATH, CPU_PATH):
             data = str(self.served.count if path == COUNT_PATH else time.process_time()).encode()
-            self._send(200, {"Content-Length": str(len(data))}, data)
-            return keep
+            return _Answer(_head(200, {"Content-Length": str(len(data))}) + data, keep), 0.0
         if method not in ("GET", "HEAD"):
-            self._send(501, {"Content-Length": "0", "Connection": "close"})
-            return False
+            return _Answer(_head(501, {"Content-Length": "0", "Connection": "close"}), False), 0.0
         self.served.count += 1
+        latency = self.served.latency_s
         file = self.served.files.get(path)
         if file is None:
-            await self._until(arrived + self.served.latency_s)
-            self._send(404, {"Content-Length": "0"})
-            return keep
-        st = file.stat()
-        size = st.st_size
+            return _Answer(_head(404, {"Content-Length": "0"}), keep), latency
+        fd, size, etag = self.served.open(file)
         start, end, status = 0, size, 200
         asked = fields.get("range")
         match = _RANGE.match(asked) if asked else None
@@ -179,47 +219,55 @@ class _Connection(asyncio.Protocol):
             start = int(match.group(1))
             end = min(size, int(match.group(2)) + 1) if match.group(2) else size
             if start >= size:
-                await self._until(arrived + self.served.latency_s)
-                self._send(416, {"Content-Range": f"bytes */{size}", "Content-Length": "0"})
-                return keep
+                return _Answer(_head(416, {"Content-Range": f"bytes */{size}", "Content-Length": "0"}), keep), latency
             status = 206
         headers = {"Content-Type": "application/octet-stream", "Content-Length": str(end - start),
-                   "Accept-Ranges": "bytes", "ETag": f'"{st.st_mtime_ns:x}-{size:x}"'}
+                   "Accept-Ranges": "bytes", "ETag": etag}
         if status == 206:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        if method == "HEAD" or end == start:
+            return _Answer(_head(status, headers), keep), latency
         rate = self.served.bytes_per_s
-        if method == "GET" and rate and end - start <= self.served.piece:
-            # one piece: the head and the body together once the round trip and the pace have
-            # passed (one timer), the body sent from the file by the kernel
-            await self._until(arrived + self.served.latency_s + (end - start) / rate)
-            if self.transport is not None:
-                await self.writable.wait()
-            if self.transport is None:
-                return False
-            if not self._send_file(status, headers, file, start, end - start):  # the file shrank since it was listed
-                self.transport.close()
-                return False
-            return keep
-        await self._until(arrived + self.served.latency_s)
-        self._send(status, headers)
-        if method == "GET":
-            await self._body(file, start, end)
-        return keep
+        if end - start <= self.served.piece:
+            # one piece: the head and the body together once the round trip and the pace have passed
+            pace = (end - start) / rate if rate else 0.0
+            return _Answer(_head(status, headers), keep, fd, start, end - start), latency + pace
+        return _Answer(_head(status, headers), keep, fd, start, end - start, paced=True), latency
 
-    async def _until(self, when: float) -> None:
-        delay = when - self.loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-
-    def _send_file(self, status: int, headers: dict, file: Path, start: int, n: int) -> bool:
-        """The head, then ``n`` bytes of ``file`` from ``start`` (:meth:`_write_from`). False:
-        the file is shorter."""
-        fd = _open(file)
+    def _send_answer(self, answer: _Answer) -> None:
+        """Send ``answer`` (the socket taking more: else once it does), then take the next
+        request."""
+        if self.transport is None:
+            return
+        if not self.writable.is_set():
+            self._held = answer
+            return
         try:
-            self._send(status, headers)
-            return self._write_from(fd, start, n) == n
-        finally:
-            os.close(fd)
+            self.transport.write(answer.head)
+            if answer.paced:
+                self.loop.create_task(self._paced(answer))
+                return
+            if answer.n and self._write_from(answer.fd, answer.start, answer.n) != answer.n:
+                answer.keep = False  # the file shrank since it was listed
+        except (ConnectionError, OSError):
+            answer.keep = False
+        self._done(answer.keep)
+
+    async def _paced(self, answer: _Answer) -> None:
+        try:
+            keep = await self._body(answer.fd, answer.start, answer.start + answer.n) and answer.keep
+        except (ConnectionError, OSError):
+            keep = False
+        self._done(keep)
+
+    def _done(self, keep: bool) -> None:
+        if self.transport is None:
+            return
+        if not keep:
+            self.transport.close()
+            return
+        self.busy = False
+        self._next()
 
     def _write_from(self, fd: int, start: int, n: int) -> int:
         """Write ``n`` bytes of the file ``fd`` from ``start``: ``os.sendfile`` from the page cache
@@ -243,41 +291,37 @@ class _Connection(asyncio.Protocol):
             sent += len(data)
         return sent
 
-    def _send(self, status: int, headers: dict, body: bytes = b"") -> None:
-        reason = HTTPStatus(status).phrase
-        lines = [f"HTTP/1.1 {status} {reason}", *(f"{k}: {v}" for k, v in headers.items()), "", ""]
-        self.transport.write("\r\n".join(lines).encode("latin-1") + body)
-
-    async def _body(self, file: Path, start: int, end: int) -> None:
-        """The body, paced where ``--mb-per-s`` asks: each piece is written once the pace has
-        reached its end (never earlier than a paced stream would have delivered its last byte),
-        in pieces of what the pace sends in :data:`_PACE_SLICE_S` (at least
-        :data:`_PACE_CHUNK`), each by :meth:`_write_from`; a body of one piece goes with its head
-        instead (:meth:`_send_file`)."""
+    async def _body(self, fd: int, start: int, end: int) -> bool:
+        """A body of more than one piece, paced where ``--mb-per-s`` asks: each piece is written
+        once the pace has reached its end (never earlier than a paced stream would have
+        delivered its last byte), in pieces of what the pace sends in :data:`_PACE_SLICE_S` (at
+        least :data:`_PACE_CHUNK`), each by :meth:`_write_from`. False: the connection ended, or
+        the file shrank since it was listed."""
         rate, piece = self.served.bytes_per_s, self.served.piece
         began = self.loop.time()
-        fd = _open(file)
-        try:
-            pos = start
-            while pos < end:
-                n = min(piece, end - pos)
-                if rate:
-                    delay = began + (pos + n - start) / rate - self.loop.time()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                await self.writable.wait()
-                if self.transport is None:
-                    return
-                wrote = self._write_from(fd, pos, n)
-                if wrote < n:  # the file shrank since it was listed
-                    self.transport.close()
-                    return
-                pos += wrote
-        finally:
-            os.close(fd)
+        pos = start
+        while pos < end:
+            n = min(piece, end - pos)
+            if rate:
+                delay = began + (pos + n - start) / rate - self.loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            await self.writable.wait()
+            if self.transport is None:
+                return False
+            wrote = self._write_from(fd, pos, n)
+            if wrote < n:
+                return False
+            pos += wrote
+        return True
 
 
-def _open(file: Path) -> int:
+def _head(status: int, headers: dict) -> bytes:
+    lines = [f"HTTP/1.1 {status} {_REASONS[status]}", *(f"{k}: {v}" for k, v in headers.items()), "", ""]
+    return "\r\n".join(lines).encode("latin-1")
+
+
+def _open(file: str) -> int:
     """A descriptor to read ``file``, never a symlink put in its place."""
     return os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
 
@@ -307,6 +351,7 @@ async def _serve(root: str, latency_s: float, max_seconds: float, bytes_per_s: f
         await stop.wait()
     finally:
         server.close()
+        served.close()
 
 
 def main(argv: list[str] | None = None) -> None:
