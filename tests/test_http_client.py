@@ -428,6 +428,24 @@ def test_a_head_line_of_blanks_is_parsed_without_holding_the_loop():
 
 
 @LOOPS
+def test_a_body_received_in_place_after_a_head_that_fills_the_receive_buffer_arrives_whole(loop):
+    # The head (60 KB of padding) and the first bytes of the body fill the connection's 64 KiB
+    # receive buffer, which stops reading from the socket; the body, received in place from
+    # then on as its bytes arrive, starts it again: each body whole, on the one connection.
+    pad = "x" * 60_000
+
+    async def main():
+        async with Raw(lambda n: response(BIG + b"%d" % n, headers=f"X-Pad: {pad}\r\n")) as srv:
+            storage = aioload.Storage(retry=aioload.RetryPolicy(attempts=1, timeout=5))
+            got = [await storage.read_bytes(srv.url()) for _ in range(3)]
+            return got, srv.requests, srv.connections
+
+    got, requests, connections = run(main, loop)
+    assert got == [BIG + b"%d" % n for n in range(3)]
+    assert requests == 3 and connections == 1
+
+
+@LOOPS
 def test_a_server_that_sends_more_than_its_content_length_never_answers_the_next_request_with_it(loop):
     # Each answer is followed by a whole second response: the surplus of one request must not
     # become the next one's answer on a reused connection. The body is larger than the receive

@@ -189,7 +189,7 @@ class PageReader:
         return piece
 
     async def read(self, storage: Storage, url: str, f: int, plan: FilePages, group: int, row: int) -> RowPages:
-        index = await self.index(storage, url, f, plan)
+        index = self.index_nowait(f) or await self.index(storage, url, f, plan)
         wanted = {key: (offset, length) for leaf in plan.leaves()
                   for key, offset, length in plan.pieces(index, group, row, leaf)}
         pieces = {key: piece for key in wanted if (piece := self.pages.peek((f, key))) is not None}

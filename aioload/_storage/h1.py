@@ -32,6 +32,7 @@ import re
 import select
 import ssl as _ssl
 import time
+from typing import Callable
 from urllib.parse import quote, unquote, urlsplit
 
 from aioload._storage.buffers import Buffers
@@ -150,6 +151,15 @@ class Connection(asyncio.BufferedProtocol):
         self.requests = 0  # requests sent on this connection
         self.idle_since = 0.0
         self.buffers: Buffers | None = None  # its pool's receive buffers (Pool.open sets them)
+        # the request being answered (send): its method, how much of the head buffer has been
+        # searched for the head's end, the head once found, what went wrong finding it, and the
+        # body of known length received in place as it arrives (``want``; ``_early``: its buffer)
+        self._method = ""  # "": no head is looked for in the callbacks
+        self._searched = 0
+        self._head: Head | None = None
+        self._failed: BaseException | None = None
+        self._want: Callable[[Head], int | None] | None = None
+        self._early: bytearray | None = None
 
     # -- the protocol (the loop calls these) ------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -177,6 +187,17 @@ class Connection(asyncio.BufferedProtocol):
             self._end += nbytes
             if self._end == HEAD_LIMIT and self._start == 0:
                 self._pause()  # full: the reader takes some before more is received
+            if self._method and self._head is None and self._failed is None:
+                # a response's head awaited by send(): found here, and its body (wanted whole)
+                # received in place from here on, so that the coroutine wakes once
+                try:
+                    if not self._find_head():
+                        return
+                except ProtocolError as exc:
+                    self._failed = exc
+                else:
+                    if self._sink_early():
+                        return
         self._wake()
 
     def eof_received(self) -> bool:
@@ -260,31 +281,78 @@ class Connection(asyncio.BufferedProtocol):
         if seconds is not None:
             self._timer = self._loop.call_later(max(0.0, seconds), self._expire)
 
-    async def send(self, request: bytes, method: str) -> Head:
-        """Send ``request`` (a whole request head) and return the head of its response."""
+    async def send(self, request: bytes, method: str, want: Callable[[Head], int | None] | None = None) -> Head:
+        """Send ``request`` (a whole request head) and return the head of its response.
+        ``want(head)``: how many bytes of the body to receive in place (a body of known length
+        wanted whole), or None; where it gives a number (up to :data:`BODY_START`), the bytes
+        are received into a buffer of the connection's :class:`Buffers` as they arrive, in the
+        protocol's callbacks, and this returns once all of them have (the coroutine wakes once
+        for head and body); :meth:`read_exact` of that many bytes then returns that buffer."""
         self.requests += 1
         self._started = False
         self._start = self._end = 0
-        self.transport.write(request)
-        searched = 0
+        self._method, self._searched, self._head, self._failed, self._want = method, 0, None, None, want
+        self._early = None
+        try:
+            self.transport.write(request)
+            while True:
+                if self._failed is None and self._head is None:
+                    if not self._find_head():
+                        if self._eof and self._started:
+                            raise self._closed("the server closed the connection within the response head")
+                        await self._more()
+                        continue
+                    self._sink_early()
+                if self._failed is not None:
+                    raise self._failed
+                if self._sink is None or self._eof:
+                    return self._head
+                await self._more()  # the rest of a body received in place (or the connection's end)
+        finally:
+            self._method = ""  # the callbacks no longer look for a head
+
+    def _find_head(self) -> bool:
+        """Look for the head of the response to the request sent: True once found (interim
+        ``1xx`` answers skipped), False while it has not all arrived; ProtocolError if what came
+        cannot be one."""
         while True:
+            searched = self._searched
             at = self._buf.find(b"\r\n\r\n", self._start + max(0, searched - 3), self._end)
             if at < 0:
                 self._bare_lf(self._start + max(0, searched - 2))
-                searched = self._end - self._start
-                if searched >= HEAD_LIMIT:
+                self._searched = self._end - self._start
+                if self._searched >= HEAD_LIMIT:
                     raise ProtocolError(f"the response head is longer than {HEAD_LIMIT} bytes")
-                if self._eof and self._started:
-                    raise self._closed("the server closed the connection within the response head")
-                await self._more()
-                continue
-            head = parse_head(bytes(self._view[self._start:at]), method)
-            self._start, searched = at + 4, 0
+                return False
+            head = parse_head(bytes(self._view[self._start:at]), self._method)
+            self._start, self._searched = at + 4, 0
             if head.status >= 200:
-                return head
+                self._head = head
+                return True
             if head.status == 101:
                 raise ProtocolError("101 Switching Protocols to a request that asked for no upgrade")
             # an interim 1xx answer: the real one follows
+
+    def _sink_early(self) -> bool:
+        """Start receiving the body the head just found announces in place, where ``want``
+        asks for it whole: True while bytes of it are still to come."""
+        want, self._want = self._want, None
+        if want is None or self.buffers is None:
+            return False
+        n = want(self._head)
+        if n is None or n > BODY_START:
+            return False
+        body = self.buffers.take(n)
+        buffered = min(n, self._end - self._start)
+        body[:buffered] = self._view[self._start:self._start + buffered]
+        self._start += buffered
+        self._early = body
+        if buffered == n:
+            return False
+        self._start = self._end = 0
+        self._sink, self._sunk = memoryview(body)[buffered:], 0
+        self._resume()  # the head buffer may have filled up and paused reading
+        return True
 
     def _bare_lf(self, since: int) -> None:
         """Refuse a head whose lines end with a bare LF: its CRLF CRLF would never come, and
@@ -301,6 +369,16 @@ class Connection(asyncio.BufferedProtocol):
         at most and doubles as it fills, so a ``Content-Length`` commits memory only as its
         bytes arrive (a server that announces 256 MiB and sends 10 bytes costs a megabyte, not
         256 MiB)."""
+        early, self._early = self._early, None
+        if early is not None:  # received in place as it arrived (send's want): whole, or cut short
+            if len(early) != n:
+                raise ValueError(f"{n} bytes asked of a body of {len(early)} received in place")
+            sink, self._sink = self._sink, None
+            if sink is None:
+                return early
+            have = n - sink.nbytes + self._sunk
+            sink.release()
+            raise self._closed(f"the server closed the connection after {have} of {n} bytes")
         buffers = self.buffers
         body = buffers.take(n) if buffers is not None and n <= BODY_START else bytearray(min(n, BODY_START))
         have = 0
@@ -400,6 +478,8 @@ class Body:
     end cut short (for a body framed by the connection's end, that end is its end)."""
 
     def __init__(self, conn: Connection, head: Head):
+        if conn._early is not None:
+            raise RuntimeError("a body received in place as it arrived is read with read_exact, not as a Body")
         self.conn = conn
         self.left = head.length  # bytes left of a sized body, or of the current chunk
         self.chunked = head.chunked

@@ -50,6 +50,7 @@ _REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _DECODE_STEP = 1 << 20  # the most decoded bytes one step of a decoder may produce
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-")
 _TARGETS_KEPT = 4096  # parsed URLs remembered per client
 USER_AGENT = "aioload"
 
@@ -274,14 +275,14 @@ async def _hop(client: Client, pool: h1.Pool, target: h1.Target, method: str, ho
     try:
         conn.deadline(timeout - (time.monotonic() - began))
         try:
-            resp = await conn.send(request, method)
+            resp = await conn.send(request, method, answer.wanted)
         except h1.Closed as exc:
             if not reused or exc.started:
                 raise
             pool.discard(conn)  # closed by the server while idle: once more, on a new connection
             conn = await pool.open(timeout - (time.monotonic() - began))
             conn.deadline(timeout - (time.monotonic() - began))
-            resp = await conn.send(request, method)
+            resp = await conn.send(request, method, answer.wanted)
         location = resp.headers.get("location")
         if resp.status in _REDIRECT_STATUSES and location is not None:
             pool.discard(conn)  # its body is of no use
@@ -308,6 +309,8 @@ def _status_error(resp: h1.Head) -> Exception | None:
 
 class _Heads:
     """What a HEAD (or first-byte GET) attempt keeps: the head."""
+
+    wanted = None  # no body received in place as it arrives (h1.Connection.send)
 
     def __init__(self, first_byte: bool):
         self.first_byte = first_byte
@@ -346,6 +349,16 @@ class _Read:
             extra += f"Range: bytes={self.offset}-{self.offset + self.length - 1}\r\n"
         return extra
 
+    def wanted(self, resp: h1.Head) -> int | None:
+        """The bytes of ``resp``'s body that :meth:`take` reads whole with ``read_exact``, where
+        it does (the connection then receives them in place as they arrive, with the head)."""
+        status, expected = resp.status, resp.length
+        if expected is None or not 200 <= status < 300 or expected > self.max_bytes:
+            return None
+        if self.offset is None:
+            return None if self.decompress and status == 200 and _encoding(resp) != "identity" else expected
+        return expected if status == 206 and expected <= self.length else None
+
     async def take(self, conn: h1.Connection, resp: h1.Head) -> bytes | bytearray:
         status, offset, length, max_bytes = resp.status, self.offset, self.length, self.max_bytes
         if status == 416 and offset is not None:
@@ -361,7 +374,7 @@ class _Read:
                              f"max_bytes={max_bytes}", status)
         if status == 206 and offset is not None:
             _check_content_range(resp, offset)
-        encoding = (resp.headers.get("content-encoding") or "identity").strip().lower() or "identity"
+        encoding = _encoding(resp)
         decoder = _decoder(encoding, status) if self.decompress and status == 200 and encoding != "identity" else None
         whole = offset is None or status == 206
         if decoder is None and expected is not None and whole and (offset is None or expected <= length):
@@ -409,13 +422,15 @@ class _Read:
 class _Into(_Read):
     """What a GET attempt of a whole body received into a caller's buffer keeps: its size."""
 
+    wanted = None  # received into the caller's buffer instead (read_into)
+
     def __init__(self, into, max_bytes: int, decompress: bool):
         super().__init__(None, None, max_bytes, decompress)
         self.into = into
 
     async def take(self, conn: h1.Connection, resp: h1.Head) -> int:
         expected = resp.length
-        encoding = (resp.headers.get("content-encoding") or "identity").strip().lower() or "identity"
+        encoding = _encoding(resp)
         if resp.status != 200 or expected is None or (self.decompress and encoding != "identity"):
             data = await super().take(conn, resp)  # gathered (or refused) as any read is, then copied in
             _write(self.into(len(data)), data)
@@ -437,6 +452,11 @@ class _Into(_Read):
         return expected
 
 
+def _encoding(resp: h1.Head) -> str:
+    """The response's ``Content-Encoding``, lower-cased (``"identity"`` for none)."""
+    return (resp.headers.get("content-encoding") or "identity").strip().lower() or "identity"
+
+
 def _write(view: memoryview, data) -> None:
     with view:
         if view.nbytes != len(data):
@@ -450,7 +470,7 @@ def _check_content_range(resp: h1.Head, offset: int) -> None:
         raise Permanent(f"206 Partial Content without Content-Range for bytes from {offset}: which bytes it holds "
                         "is unknown", 206, remedy="not retried: the server does not answer range requests as "
                         "HTTP/1.1 says (RFC 9110, 15.3.7)")
-    match = re.match(r"^\s*bytes\s+(\d+)-", value)
+    match = _CONTENT_RANGE.match(value)
     if match is None or int(match.group(1)) != offset:
         raise Permanent(f"206 Partial Content with Content-Range {value!r} for bytes from {offset}", 206)
 

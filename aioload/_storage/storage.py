@@ -174,15 +174,15 @@ class Storage:
     async def _read(self, target, offset: int | None, length: int | None) -> bytes | bytearray:
         kind, where = locate(target)
         cache = self._cache_for(kind)
+        if cache is None:
+            return await self._fetch(kind, where, offset, length)
         key = target if offset is None else range_key(target, offset, length)
-        if cache is not None:
-            data = await _cache_call(cache, cache.get, key)
-            if data is not None:
-                return data
-        data = await self._fetch(kind, where, offset, length)
-        if cache is not None:
-            data = _frozen(data)  # a cached object is shared: never a buffer that can change
-            await _cache_call(cache, cache.put, key, data)
+        data = await _cache_call(cache, cache.get, key)
+        if data is not None:
+            return data
+        # a cached object is shared: never a buffer that can change
+        data = _frozen(await self._fetch(kind, where, offset, length))
+        await _cache_call(cache, cache.put, key, data)
         return data
 
     async def _fetch(self, kind: str, where, offset: int | None, length: int | None) -> bytes | bytearray:
