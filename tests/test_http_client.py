@@ -464,6 +464,49 @@ def test_a_server_that_sends_more_than_its_content_length_never_answers_the_next
 
 
 @LOOPS
+def test_bytes_a_server_sends_to_an_idle_connection_never_answer_the_next_request(loop):
+    # Each answer is followed, 50 ms later, by a whole second response that nobody asked for,
+    # while the connection waits idle in its pool: the loop receives it there, and the
+    # connection is not used again (no poll at reuse is needed to see it).
+    connections = []
+
+    async def serve(reader, writer):
+        connections.append(writer)
+        try:
+            n = 0
+            while await reader.readuntil(b"\r\n\r\n"):
+                writer.write(response(b"answer%d-%d" % (len(connections), n)))
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.write(response(b"stale"))
+                await writer.drain()
+                n += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"
+        try:
+            storage = aioload.Storage(retry=ONCE)
+            got = []
+            for _ in range(3):
+                got.append(await storage.read_bytes(url))
+                await asyncio.sleep(0.3)  # the stale answer arrives meanwhile
+            await storage.aclose()
+            return got
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    got = run(main, loop)
+    assert got == [b"answer1-0", b"answer2-0", b"answer3-0"]
+    assert len(connections) == 3
+
+
+@LOOPS
 def test_a_body_sent_to_a_head_does_not_answer_the_next_get(loop):
     # A server that answers HEAD with its body, sent late: the body reaches the connection
     # only after the next request on it. No check at reuse can see it coming, so a connection
