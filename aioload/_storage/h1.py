@@ -194,11 +194,10 @@ class Connection(asyncio.BufferedProtocol):
                 try:
                     if not self._find_head():
                         return
-                except ProtocolError as exc:
-                    self._failed = exc
-                else:
                     if self._sink_early():
                         return
+                except Exception as exc:  # noqa: BLE001 - send() raises it, in the coroutine
+                    self._failed = exc
         self._wake()
 
     def eof_received(self) -> bool:
