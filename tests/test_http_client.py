@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import datetime
 import gc
 import ipaddress
@@ -463,6 +464,23 @@ def test_a_server_that_sends_more_than_its_content_length_never_answers_the_next
     assert requests == connections == 5 and left <= 1
 
 
+@contextlib.asynccontextmanager
+async def serving(serve):
+    """A server on 127.0.0.1 whose every connection ``serve(reader, writer)`` answers (a client
+    that leaves ends it quietly, and the connection is closed after it); yields a URL of it."""
+    async def answer(reader, writer):
+        try:
+            await serve(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"
+
+
 @LOOPS
 def test_bytes_a_server_sends_to_an_idle_connection_never_answer_the_next_request(loop):
     # Each answer is followed, 50 ms later, by a whole second response that nobody asked for,
@@ -472,24 +490,17 @@ def test_bytes_a_server_sends_to_an_idle_connection_never_answer_the_next_reques
 
     async def serve(reader, writer):
         connections.append(writer)
-        try:
-            n = 0
-            while await reader.readuntil(b"\r\n\r\n"):
-                writer.write(response(b"answer%d-%d" % (len(connections), n)))
-                await writer.drain()
-                await asyncio.sleep(0.05)
-                writer.write(response(b"stale"))
-                await writer.drain()
-                n += 1
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+        n = 0
+        while await reader.readuntil(b"\r\n\r\n"):
+            writer.write(response(b"answer%d-%d" % (len(connections), n)))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(response(b"stale"))
+            await writer.drain()
+            n += 1
 
     async def main():
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"
-        try:
+        async with serving(serve) as url:
             storage = aioload.Storage(retry=ONCE)
             got = []
             for _ in range(3):
@@ -497,9 +508,6 @@ def test_bytes_a_server_sends_to_an_idle_connection_never_answer_the_next_reques
                 await asyncio.sleep(0.3)  # the stale answer arrives meanwhile
             await storage.aclose()
             return got
-        finally:
-            server.close()
-            await server.wait_closed()
 
     got = run(main, loop)
     assert got == [b"answer1-0", b"answer2-0", b"answer3-0"]
@@ -515,26 +523,19 @@ def test_a_body_sent_to_a_head_does_not_answer_the_next_get(loop):
 
     async def serve(reader, writer):
         late = b""
-        try:
-            while head := await reader.readuntil(b"\r\n\r\n"):
-                n = len(sent)
-                sent.append(head.split(b" ", 1)[0])
-                if head.startswith(b"HEAD "):
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BIG))
-                    late = BIG
-                else:
-                    writer.write(late + response(b"get%d" % n))
-                    late = b""
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            n = len(sent)
+            sent.append(head.split(b" ", 1)[0])
+            if head.startswith(b"HEAD "):
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BIG))
+                late = BIG
+            else:
+                writer.write(late + response(b"get%d" % n))
+                late = b""
+            await writer.drain()
 
     async def main():
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"
-        async with server:
+        async with serving(serve) as url:
             storage = aioload.Storage(retry=ONCE)
             version = await probe.version(storage, url)
             got = [await storage.read_bytes(url) for _ in range(2)]
