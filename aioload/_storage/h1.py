@@ -342,15 +342,12 @@ class Connection(asyncio.BufferedProtocol):
         n = want(self._head)
         if n is None or n > BODY_START:
             return False
-        body = self.buffers.take(n)
-        buffered = min(n, self._end - self._start)
-        body[:buffered] = self._view[self._start:self._start + buffered]
-        self._start += buffered
-        self._early = body
-        if buffered == n:
+        self._early = body = self.buffers.take(n)
+        view = memoryview(body)
+        have = self._buffered(view, 0, n)
+        if have == n:
             return False
-        self._start = self._end = 0
-        self._sink, self._sunk = memoryview(body)[buffered:], 0
+        self._sink_from(view, have)
         self._resume()  # the head buffer may have filled up and paused reading
         return True
 
@@ -423,8 +420,7 @@ class Connection(asyncio.BufferedProtocol):
         """Receive into ``view[have:]`` until it is full (the loop writes the socket's bytes
         there: ``get_buffer``); the bytes written by then, or ``Closed``. The head buffer holds
         no byte of the body when it is called (every one was taken first)."""
-        self._start = self._end = 0
-        self._sink, self._sunk = view[have:], 0
+        self._sink_from(view, have)
         try:
             while self._sink is not None:
                 await self._more()
@@ -436,6 +432,12 @@ class Connection(asyncio.BufferedProtocol):
             if sink is not None:
                 sink.release()
         return have
+
+    def _sink_from(self, view: memoryview, have: int) -> None:
+        """From now on the socket's bytes land in ``view[have:]`` (the head buffer holds none of
+        them: every buffered byte was taken first)."""
+        self._start = self._end = 0
+        self._sink, self._sunk = view[have:], 0
 
     async def take(self, most: int) -> bytes:
         """Up to ``most`` (> 0) of the next bytes, as soon as there are some; ``b""`` once the

@@ -349,15 +349,21 @@ class _Read:
             extra += f"Range: bytes={self.offset}-{self.offset + self.length - 1}\r\n"
         return extra
 
-    def wanted(self, resp: h1.Head) -> int | None:
-        """The bytes of ``resp``'s body that :meth:`take` reads whole with ``read_exact``, where
-        it does (the connection then receives them in place as they arrive, with the head)."""
-        status, expected = resp.status, resp.length
-        if expected is None or not 200 <= status < 300 or expected > self.max_bytes:
+    def _whole(self, resp: h1.Head) -> int | None:
+        """The length of ``resp``'s body where :meth:`take` reads it whole into one buffer
+        (``read_exact``: a known length, not decoded here, every byte of it wanted), else None."""
+        expected = resp.length
+        if expected is None:
             return None
         if self.offset is None:
-            return None if self.decompress and status == 200 and _encoding(resp) != "identity" else expected
-        return expected if status == 206 and expected <= self.length else None
+            return None if self.decompress and resp.status == 200 and _encoding(resp) != "identity" else expected
+        return expected if resp.status == 206 and expected <= self.length else None
+
+    def wanted(self, resp: h1.Head) -> int | None:
+        """The bytes of a successful ``resp``'s body that :meth:`take` reads whole, within
+        ``max_bytes`` (the connection then receives them in place as they arrive, with the head)."""
+        n = self._whole(resp)
+        return n if n is not None and 200 <= resp.status < 300 and n <= self.max_bytes else None
 
     async def take(self, conn: h1.Connection, resp: h1.Head) -> bytes | bytearray:
         status, offset, length, max_bytes = resp.status, self.offset, self.length, self.max_bytes
@@ -376,8 +382,7 @@ class _Read:
             _check_content_range(resp, offset)
         encoding = _encoding(resp)
         decoder = _decoder(encoding, status) if self.decompress and status == 200 and encoding != "identity" else None
-        whole = offset is None or status == 206
-        if decoder is None and expected is not None and whole and (offset is None or expected <= length):
+        if self._whole(resp) is not None:  # decoder is None here: _whole leaves such bodies out
             if expected > max_bytes:
                 raise _too_large(f"the body is larger than max_bytes={max_bytes}", status)
             try:
